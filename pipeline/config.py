@@ -1,0 +1,451 @@
+"""Typed configuration: one dataclass per section of ``params.yaml``, mirrored 1:1.
+
+``load_config(path, overrides)`` reads a params file, applies ``section.key=value`` overrides,
+checks every key, type and range, and returns a frozen-by-convention :class:`Config`.
+Any mistake raises :class:`ConfigError` with a one-line message naming the file, the key and
+what is allowed; the CLI prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message is one line and names the key."""
+
+
+DEFAULT_TEMPLATE = (
+    "Solve the problem. Think step by step, then give the final answer as <answer>N</answer>.\n"
+    "Question: {question}\nAnswer:"
+)
+
+# Fixed output locations, relative to the working directory (the repo root for dvc/prefect).
+DATA_DIR = "data"
+CHECKPOINT_DIR = "checkpoints"
+METRICS_DIR = "metrics"
+PLOTS_DIR = "plots"
+REPORTS_DIR = "reports"
+STAGES = ("prepare", "sft", "warmup", "grpo", "evaluate")
+
+
+@dataclass
+class DataConfig:
+    gsm8k_source: str = "openai/gsm8k"
+    """Hugging Face dataset id, or a local JSONL/Parquet file or a folder with train/test files."""
+    gsm8k_config: str = "main"
+    """Dataset config name used when `gsm8k_source` is a hub id."""
+    val_size: int = 200
+    """GSM8K train rows held out (seeded) as the validation split for model selection."""
+    max_bad_fraction: float = 0.01
+    """The stage fails if more than this fraction of GSM8K rows is malformed."""
+    arith_train_size: int = 20000
+    """Arithmetic curriculum problems in the training stream."""
+    arith_eval_size: int = 200
+    """Arithmetic problems in the held-out evaluation set."""
+    arith_max_level: int = 4
+    """Hardest curriculum level generated (1: one-digit +/-, ..., 5: two-step three-digit)."""
+    prompt_template: str = DEFAULT_TEMPLATE
+    """The one prompt template for every task; must contain `{question}`."""
+    vocab_size: int = 2048
+    """Vocabulary size of the byte-level BPE trained for the from-scratch GPT."""
+    seed: int = 0
+    """Seed for the validation split and the curriculum generator."""
+
+
+@dataclass
+class ModelConfig:
+    backend: Literal["gpt", "hf"] = "gpt"
+    """`gpt`: the from-scratch GPT of pipeline/model/gpt.py; `hf`: any transformers causal LM."""
+    init: str = ""
+    """Empty: random init and SFT from scratch. A checkpoint folder or HF model id/folder: start from it."""
+    n_layer: int = 4
+    """Transformer blocks (gpt backend)."""
+    n_head: int = 4
+    """Attention heads per block (gpt backend)."""
+    n_embd: int = 256
+    """Residual stream width (gpt backend)."""
+    block_size: int = 512
+    """Maximum context length in tokens (prompt + response)."""
+    positions: Literal["rope", "learned"] = "rope"
+    """Rotary position embeddings or a learned position table (gpt backend)."""
+    dropout: float = 0.0
+    """Dropout probability during SFT (GRPO always runs the policy without dropout)."""
+    device: str = "auto"
+    """`auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:N`."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: `auto` is bf16 autocast on CUDA and fp32 on CPU."""
+    compile: bool = False
+    """Wrap the model in torch.compile (worth it on GPU only)."""
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 1500
+    """Optimizer steps of supervised fine-tuning."""
+    batch_size: int = 32
+    """Sequences per step."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 100
+    """Linear LR warmup steps, then cosine decay to 10% of `lr`."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    arith_fraction: float = 0.5
+    """Fraction of each batch drawn from the arithmetic curriculum (the rest: GSM8K solutions)."""
+    max_len: int = 384
+    """Training sequences longer than this many tokens are dropped."""
+    log_every: int = 50
+    """Steps between metric logs."""
+    eval_every: int = 500
+    """Steps between validation loss and held-out arithmetic accuracy."""
+    eval_samples: int = 100
+    """Held-out arithmetic problems scored greedily at each evaluation."""
+    seed: int = 0
+    """Seed for init, batching and dropout."""
+
+
+@dataclass
+class GRPOConfig:
+    iterations: int = 60
+    """GRPO iterations (for the warmup section this is the seed's `curriculum_iters`)."""
+    prompts_per_iter: int = 8
+    """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
+    group_size: int = 8
+    """G: completions per prompt; advantages are relative within a group."""
+    grpo_epochs: int = 1
+    """Passes over the rollout batch per iteration."""
+    minibatch_groups: int = 0
+    """Whole groups per minibatch; 0 = the whole batch in one step."""
+    lr: float = 2e-5
+    """Peak AdamW learning rate."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to 10% of `lr` at the last iteration."""
+    warmup_iters: int = 0
+    """Linear LR warmup iterations."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    clip: float = 0.2
+    """PPO/GRPO clip epsilon (lower side, and upper side unless `clip_high` is set)."""
+    clip_high: float = 0.0
+    """DAPO clip-higher upper epsilon; 0 = same as `clip`."""
+    kl_coef: float = 0.04
+    """beta: weight of the k3 KL to the frozen reference (the SFT checkpoint)."""
+    adv_norm: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: per-group std (seed), batch std, or none (Dr. GRPO)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """Loss aggregation: token-mean (seed), seq-mean-token-mean (DeepSeekMath), Dr. GRPO."""
+    importance: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (GRPO) or per sequence (GSPO)."""
+    temperature: float = 1.0
+    """Sampling temperature for rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1.0 disables it."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it."""
+    rollout_len: int = 64
+    """Maximum new tokens per completion."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop zero-variance groups and top up with fresh prompts."""
+    max_sampling_rounds: int = 3
+    """Rollout rounds per iteration allowed for dynamic sampling top-ups."""
+    max_nonfinite: int = 3
+    """Stop with an error after this many consecutive non-finite steps."""
+    log_every: int = 1
+    """Iterations between metric logs."""
+    eval_every: int = 20
+    """Iterations between greedy held-out accuracy checks; 0 disables."""
+    eval_samples: int = 100
+    """Held-out problems in each periodic accuracy check."""
+    save_every: int = 10
+    """Iterations between resumable checkpoints."""
+    keep_last: int = 2
+    """Resumable checkpoints kept."""
+    nproc: int = 1
+    """Processes (torchrun DDP) for this stage; prompts are sharded by rank."""
+    seed: int = 0
+    """Seed for prompt order and sampling."""
+
+
+@dataclass
+class WarmupConfig(GRPOConfig):
+    adaptive: bool = False
+    """Adaptive curriculum: stop early once both thresholds pass, extend while informative is low."""
+    exit_reward: float = 1.0
+    """Adaptive: mean reward (over the last `log_every` window) needed to leave early."""
+    exit_accuracy: float = 0.6
+    """Adaptive: held-out arithmetic accuracy needed to leave early."""
+    min_informative: float = 0.25
+    """Adaptive: below this informative fraction the warmup is extended."""
+    max_extra_iters: int = 0
+    """Adaptive: at most this many iterations added beyond `iterations`."""
+
+
+@dataclass
+class EvalConfig:
+    stages: list[str] = field(default_factory=lambda: ["sft", "warmup", "grpo"])
+    """Checkpoints evaluated, in order."""
+    gsm8k_limit: int = 0
+    """GSM8K test problems evaluated; 0 = all 1,319."""
+    arith_limit: int = 0
+    """Held-out arithmetic problems evaluated; 0 = all."""
+    batch_size: int = 64
+    """Prompts per generation batch."""
+    max_new_tokens: int = 256
+    """Maximum new tokens per completion."""
+    samples: int = 0
+    """k for pass@k / maj@k; 0 disables sampling metrics."""
+    temperature: float = 1.0
+    """Sampling temperature for pass@k / maj@k."""
+    top_p: float = 1.0
+    """Nucleus threshold for pass@k / maj@k."""
+    seed: int = 0
+    """Seed for the sampling metrics."""
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    """Log params, metrics and artifacts to MLflow."""
+    uri: str = "sqlite:///mlflow.db"
+    """MLflow tracking URI; the MLFLOW_TRACKING_URI environment variable overrides it."""
+    experiment: str = "grpo-gsm8k"
+    """MLflow experiment name."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    evaluate: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """`section.key -> value`, for MLflow params."""
+        return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+
+
+# --------------------------------------------------------------------------- validation
+
+def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
+    """(key, ok, what is allowed) for every range rule; derived checks live here only."""
+    d, m, s, e = cfg.data, cfg.model, cfg.sft, cfg.evaluate
+    rules = [
+        ("data.val_size", d.val_size >= 0, "an integer >= 0"),
+        ("data.max_bad_fraction", 0.0 <= d.max_bad_fraction <= 1.0, "a number in [0, 1]"),
+        ("data.arith_train_size", d.arith_train_size >= 1, "an integer >= 1"),
+        ("data.arith_eval_size", d.arith_eval_size >= 1, "an integer >= 1"),
+        ("data.arith_max_level", 1 <= d.arith_max_level <= 5, "an integer in [1, 5]"),
+        ("data.prompt_template", "{question}" in d.prompt_template, "a string containing {question}"),
+        ("data.vocab_size", 300 <= d.vocab_size <= 1_000_000, "an integer in [300, 1000000]"),
+        ("model.n_layer", m.n_layer >= 1, "an integer >= 1"),
+        ("model.n_head", m.n_head >= 1, "an integer >= 1"),
+        ("model.n_embd", m.n_embd >= 1 and m.n_embd % max(m.n_head, 1) == 0,
+         "an integer >= 1 divisible by model.n_head"),
+        ("model.block_size", m.block_size >= 16, "an integer >= 16"),
+        ("model.dropout", 0.0 <= m.dropout < 1.0, "a number in [0, 1)"),
+        ("model.device", m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"),
+         "auto, cpu, cuda or cuda:N"),
+        ("model.backend", m.backend == "gpt" or bool(m.init), "model.init set to a HF model id or folder"),
+        ("sft.steps", s.steps >= 0, "an integer >= 0"),
+        ("sft.batch_size", s.batch_size >= 1, "an integer >= 1"),
+        ("sft.lr", s.lr > 0, "a number > 0"),
+        ("sft.warmup_steps", s.warmup_steps >= 0, "an integer >= 0"),
+        ("sft.weight_decay", s.weight_decay >= 0, "a number >= 0"),
+        ("sft.grad_clip", s.grad_clip > 0, "a number > 0"),
+        ("sft.arith_fraction", 0.0 <= s.arith_fraction <= 1.0, "a number in [0, 1]"),
+        ("sft.max_len", 8 <= s.max_len <= m.block_size, "an integer in [8, model.block_size]"),
+        ("sft.log_every", s.log_every >= 1, "an integer >= 1"),
+        ("sft.eval_every", s.eval_every >= 0, "an integer >= 0"),
+        ("sft.eval_samples", s.eval_samples >= 0, "an integer >= 0"),
+        ("evaluate.gsm8k_limit", e.gsm8k_limit >= 0, "an integer >= 0 (0 = all)"),
+        ("evaluate.arith_limit", e.arith_limit >= 0, "an integer >= 0 (0 = all)"),
+        ("evaluate.batch_size", e.batch_size >= 1, "an integer >= 1"),
+        ("evaluate.max_new_tokens", e.max_new_tokens >= 1, "an integer >= 1"),
+        ("evaluate.samples", e.samples >= 0, "an integer >= 0 (0 = off)"),
+        ("evaluate.temperature", e.temperature > 0, "a number > 0"),
+        ("evaluate.top_p", 0.0 < e.top_p <= 1.0, "a number in (0, 1]"),
+        ("evaluate.stages", bool(e.stages) and all(x in ("sft", "warmup", "grpo") for x in e.stages),
+         "a non-empty list drawn from sft, warmup, grpo"),
+        ("tracking.experiment", bool(cfg.tracking.experiment.strip()), "a non-empty name"),
+    ]
+    for name in ("warmup", "grpo"):
+        g: GRPOConfig = getattr(cfg, name)
+        rules += [
+            (f"{name}.iterations", g.iterations >= 0, "an integer >= 0"),
+            (f"{name}.prompts_per_iter", g.prompts_per_iter >= 1, "an integer >= 1"),
+            (f"{name}.group_size", g.group_size >= 2, "an integer >= 2 (a group needs peers)"),
+            (f"{name}.grpo_epochs", g.grpo_epochs >= 1, "an integer >= 1"),
+            (f"{name}.minibatch_groups", 0 <= g.minibatch_groups <= g.prompts_per_iter,
+             "an integer in [0, prompts_per_iter] (0 = whole batch)"),
+            (f"{name}.lr", g.lr > 0, "a number > 0"),
+            (f"{name}.warmup_iters", g.warmup_iters >= 0, "an integer >= 0"),
+            (f"{name}.weight_decay", g.weight_decay >= 0, "a number >= 0"),
+            (f"{name}.clip", 0.0 < g.clip < 1.0, "a number in (0, 1)"),
+            (f"{name}.clip_high", g.clip_high == 0.0 or 0.0 < g.clip_high < 10.0,
+             "0 (same as clip) or a number in (0, 10)"),
+            (f"{name}.kl_coef", g.kl_coef >= 0, "a number >= 0"),
+            (f"{name}.temperature", g.temperature > 0, "a number > 0"),
+            (f"{name}.top_p", 0.0 < g.top_p <= 1.0, "a number in (0, 1]"),
+            (f"{name}.top_k", g.top_k >= 0, "an integer >= 0 (0 = off)"),
+            (f"{name}.rollout_len", 1 <= g.rollout_len < m.block_size, "an integer in [1, model.block_size)"),
+            (f"{name}.grad_clip", g.grad_clip > 0, "a number > 0"),
+            (f"{name}.max_sampling_rounds", g.max_sampling_rounds >= 1, "an integer >= 1"),
+            (f"{name}.max_nonfinite", g.max_nonfinite >= 1, "an integer >= 1"),
+            (f"{name}.log_every", g.log_every >= 1, "an integer >= 1"),
+            (f"{name}.eval_every", g.eval_every >= 0, "an integer >= 0 (0 = off)"),
+            (f"{name}.eval_samples", g.eval_samples >= 0, "an integer >= 0"),
+            (f"{name}.save_every", g.save_every >= 1, "an integer >= 1"),
+            (f"{name}.keep_last", g.keep_last >= 1, "an integer >= 1"),
+            (f"{name}.nproc", g.nproc >= 1, "an integer >= 1"),
+        ]
+    w = cfg.warmup
+    rules += [
+        ("warmup.min_informative", 0.0 <= w.min_informative <= 1.0, "a number in [0, 1]"),
+        ("warmup.exit_accuracy", 0.0 <= w.exit_accuracy <= 1.0, "a number in [0, 1]"),
+        ("warmup.max_extra_iters", w.max_extra_iters >= 0, "an integer >= 0"),
+    ]
+    return rules
+
+
+def validate(cfg: Config, source: str = "params") -> Config:
+    for key, ok, allowed in _range_rules(cfg):
+        if not ok:
+            section, name = key.split(".", 1)
+            value = getattr(getattr(cfg, section), name)
+            raise ConfigError(f"{source}: {key} = {value!r} is out of range; allowed: {allowed}")
+    return cfg
+
+
+# --------------------------------------------------------------------------- parsing
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{source}: {key} = {value!r} is not allowed{hint}; allowed: "
+                              + ", ".join(map(str, allowed)))
+        return value
+    if origin in (list, typing.List):
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} = {value!r} has the wrong type; expected a list")
+        return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key, source)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" as a string; accept it as the number it means
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) and tp is not bool:
+        raise ConfigError(f"{source}: {key} = {value!r} has the wrong type; expected {_TYPE_NAMES[tp]}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{source}: {key} = {value!r} has the wrong type; expected {_TYPE_NAMES.get(tp, tp)}")
+    return value
+
+
+def _build_section(cls: type, raw: Any, section: str, source: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: section {section!r} must be a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+            raise ConfigError(f"{source}: unknown key {section}.{key}{hint}; allowed: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}", source)
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: Any, source: str = "params") -> Config:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    hints = typing.get_type_hints(Config)
+    sections = [f.name for f in dataclasses.fields(Config)]
+    for key in raw:
+        if key not in sections:
+            close = difflib.get_close_matches(str(key), sections, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{source}: unknown section {key!r}{hint}; allowed: {', '.join(sections)}")
+    cfg = Config(**{s: _build_section(hints[s], raw.get(s), s, source) for s in sections})
+    return validate(cfg, source)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, YAML-parsed value)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. grpo.kl_coef=0.02")
+    lhs, rhs = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = yaml.safe_load(rhs) if rhs.strip() else ""
+    except yaml.YAMLError:
+        value = rhs
+    return section, key, value
+
+
+def read_params(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: params file not found (pass --params FILE or run where params.yaml is)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    return raw if raw is not None else {}
+
+
+def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
+    raw = read_params(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        sec = raw.setdefault(section, {})
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
+        sec[key] = value
+    return config_from_dict(raw, str(path))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, width=120)

@@ -1,0 +1,13 @@
+"""Errors that mean "the user's input is wrong": the CLI prints them as one line, exit code 2."""
+
+
+class InputError(ValueError):
+    """Bad or missing input file/data; the message names the file (and line) and what is allowed."""
+
+
+class CheckpointError(InputError):
+    """A checkpoint that is missing, truncated, corrupt or does not match the config."""
+
+
+class TrainingDivergedError(RuntimeError):
+    """Too many consecutive non-finite steps; the last good checkpoint is left intact."""

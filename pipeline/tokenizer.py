@@ -1,0 +1,98 @@
+"""Tokenizers behind one small interface: a byte-level BPE for the from-scratch GPT, trained with
+the `tokenizers` library (digits split into single tokens, as LLaMA does: multi-digit merges make
+arithmetic much harder to learn), and an adapter for any Hugging Face tokenizer.
+
+Both expose ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``pad_id``, ``eos_id``,
+``vocab_size`` and ``save(folder)``; the rest of the pipeline sees nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+PAD = "<|pad|>"
+EOS = "<|endoftext|>"
+ANSWER_OPEN = "<answer>"
+ANSWER_CLOSE = "</answer>"
+SPECIAL_TOKENS = [PAD, EOS, ANSWER_OPEN, ANSWER_CLOSE]
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class BPETokenizer:
+    """Wraps a `tokenizers.Tokenizer` trained by :func:`train_tokenizer`."""
+
+    def __init__(self, tok) -> None:
+        self._tok = tok
+        self.pad_id = tok.token_to_id(PAD)
+        self.eos_id = tok.token_to_id(EOS)
+        if self.pad_id is None or self.eos_id is None:
+            raise ValueError(f"tokenizer lacks the special tokens {PAD} and {EOS}")
+        self.vocab_size = tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [i for i in ids if i != self.pad_id and i != self.eos_id]
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / TOKENIZER_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(self._tok.to_str(pretty=True))
+        os.replace(tmp, path)
+        return path
+
+    def to_str(self) -> str:
+        return self._tok.to_str()
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+    """Train a byte-level BPE with single-digit tokens and the special tokens above."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    return BPETokenizer(tok)
+
+
+def load_tokenizer(path: str | Path) -> BPETokenizer:
+    """Load `tokenizer.json` (or a folder holding it); a clear error names the file if it is bad."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: tokenizer not found (run the prepare stage first)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+        raise ValueError(f"{path}: not a valid tokenizer file ({exc})") from None
+    return BPETokenizer(tok)
+
+
+def tokenizer_from_str(text: str) -> BPETokenizer:
+    from tokenizers import Tokenizer
+
+    return BPETokenizer(Tokenizer.from_str(text))
