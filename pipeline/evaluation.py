@@ -1,0 +1,318 @@
+"""Evaluation metrics and reports: pure functions, no model and no generation.
+
+The evaluate stage (``pipeline/stages/evaluate.py``) generates completions; everything here works on
+plain lists of completions, golds and per-example rows, so a hand-made list checks every number.
+
+Metrics
+- accuracy: fraction of greedy completions whose parsed answer matches the gold, judged by the
+  same verifier as training (``pipeline.rewards``).
+- format rate: fraction with a well-formed ``<answer>N</answer>``.
+- pass@k: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
+  Code", eq. 1): with n samples of which c are correct, ``1 - C(n-c, k) / C(n, k)``, averaged over
+  problems. With n = k (the evaluate stage's setting) it is simply "any of the k samples correct".
+- maj@k: majority vote over the parsed answers of k samples; unparseable samples do not vote.
+  Ties are broken by the earliest first occurrence (the answer that appeared first in sample order
+  wins), so the vote is deterministic and does not depend on dict or float ordering.
+
+Files are written atomically (temporary file in the same folder, then ``os.replace``): a reader
+never sees a partial ``eval.json``, CSV or PNG, and a failure leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from pipeline.rewards.parsing import extract_answer
+from pipeline.rewards.verifiers import answers_match, has_well_formed_answer, reward_for
+
+DECIMALS = 4
+TASKS = ("gsm8k", "arith")
+
+
+# --------------------------------------------------------------------------- scoring
+
+def score_completion(text: str, gold: float, source: str = "gsm8k") -> dict[str, Any]:
+    """Parsed answer, reward, correctness and format of one completion (the training verifier).
+
+    `source` picks the verifier exactly as training does (`reward_for(row["source"])`).
+    """
+    parsed = extract_answer(text)
+    return {
+        "parsed": parsed,
+        "reward": float(reward_for(source)(text, gold)),
+        "correct": parsed is not None and bool(answers_match(parsed, gold)),
+        "well_formed": bool(has_well_formed_answer(text)),
+    }
+
+
+def score_completions(texts: Sequence[str], golds: Sequence[float], source: str = "gsm8k") -> list[dict[str, Any]]:
+    if len(texts) != len(golds):
+        raise ValueError(f"{len(texts)} completions but {len(golds)} golds")
+    return [score_completion(t, g, source) for t, g in zip(texts, golds)]
+
+
+def mean(values: Iterable[float | bool]) -> float:
+    """Mean of a possibly empty sequence; 0.0 when empty (so metrics files never hold NaN)."""
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else 0.0
+
+
+def accuracy(scored: Sequence[Mapping[str, Any]]) -> float:
+    return mean(r["correct"] for r in scored)
+
+
+def format_rate(scored: Sequence[Mapping[str, Any]]) -> float:
+    return mean(r["well_formed"] for r in scored)
+
+
+# --------------------------------------------------------------------------- sampling metrics
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+
+    Computed as 1 - prod_{i<k} (n-c-i)/(n-i), which avoids huge binomials.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset contains a correct sample
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def majority_vote(answers: Sequence[float | None]) -> float | None:
+    """The most frequent parsed answer; None (or NaN) does not vote; ties -> earliest first occurrence.
+
+    Returns None when no sample has a parsable answer.
+    """
+    counts: dict[float, int] = {}
+    first: dict[float, int] = {}
+    for i, a in enumerate(answers):
+        if a is None or (isinstance(a, float) and math.isnan(a)):
+            continue
+        key = float(a)  # 3 and 3.0 (and -0.0 and 0.0) are the same vote
+        counts[key] = counts.get(key, 0) + 1
+        first.setdefault(key, i)
+    if not counts:
+        return None
+    return min(counts, key=lambda a: (-counts[a], first[a]))
+
+
+def maj_correct(answers: Sequence[float | None], gold: float) -> bool:
+    winner = majority_vote(answers)
+    return winner is not None and bool(answers_match(winner, gold))
+
+
+def sample_stats(texts: Sequence[str], gold: float, k: int, source: str = "gsm8k") -> dict[str, Any]:
+    """Per-problem sampling figures from its n sampled completions (pass@k with k <= n)."""
+    scored = score_completions(texts, [gold] * len(texts), source)
+    c = sum(r["correct"] for r in scored)
+    winner = majority_vote([r["parsed"] for r in scored])
+    return {
+        "samples_correct": c,
+        "pass_at_k": pass_at_k(len(texts), c, k),
+        "maj_answer": winner,
+        "maj_correct": winner is not None and bool(answers_match(winner, gold)),
+    }
+
+
+# --------------------------------------------------------------------------- metrics dicts
+
+def task_metrics(rows: Sequence[Mapping[str, Any]], samples: int = 0) -> dict[str, float | int]:
+    """Metrics of one (stage, task) from its per-example prediction rows."""
+    out: dict[str, float | int] = {
+        "accuracy": accuracy(rows),
+        "format_rate": format_rate(rows),
+        "mean_response_length": mean(r["response_length"] for r in rows),
+        "truncation_rate": mean(r["truncated"] for r in rows),
+        "examples": len(rows),
+    }
+    if samples > 0:
+        if samples > 1:
+            out["pass_at_1"] = mean(r["samples_correct"] / samples for r in rows)
+        out[f"pass_at_{samples}"] = mean(r["pass_at_k"] for r in rows)
+        out[f"maj_at_{samples}"] = mean(r["maj_correct"] for r in rows)
+    return out
+
+
+def stage_metrics(per_task: Mapping[str, Sequence[Mapping[str, Any]]], samples: int = 0) -> dict[str, float | int]:
+    """One stage's flat metrics in a fixed key order; headline keys first.
+
+    ``{task}_accuracy`` for each task, then pooled ``format_rate``, ``mean_response_length`` and
+    ``truncation_rate`` over every evaluated example, then per-task details.
+    """
+    tasks = [t for t in TASKS if t in per_task] + [t for t in per_task if t not in TASKS]
+    each = {t: task_metrics(per_task[t], samples) for t in tasks}
+    pooled = [r for t in tasks for r in per_task[t]]
+    out: dict[str, float | int] = {f"{t}_accuracy": each[t]["accuracy"] for t in tasks}
+    out["format_rate"] = format_rate(pooled)
+    out["mean_response_length"] = mean(r["response_length"] for r in pooled)
+    out["truncation_rate"] = mean(r["truncated"] for r in pooled)
+    for t in tasks:
+        for key, value in each[t].items():
+            if key != "accuracy":
+                out[f"{t}_{key}"] = value
+    return out
+
+
+def round_metrics(metrics: Mapping[str, Mapping[str, float | int]], decimals: int = DECIMALS) -> dict:
+    """`{stage: {metric: value}}` with floats rounded (ints kept), key order preserved."""
+    return {
+        stage: {k: (v if isinstance(v, int) and not isinstance(v, bool) else round(float(v), decimals))
+                for k, v in values.items()}
+        for stage, values in metrics.items()
+    }
+
+
+def accuracy_table(metrics: Mapping[str, Mapping[str, float]], tasks: Sequence[str] = TASKS):
+    """Long-format DataFrame (stage, task, accuracy) for `dvc plots` and the bar chart."""
+    import pandas as pd
+
+    rows = [{"stage": s, "task": t, "accuracy": m[f"{t}_accuracy"]}
+            for s, m in metrics.items() for t in tasks if f"{t}_accuracy" in m]
+    return pd.DataFrame(rows, columns=["stage", "task", "accuracy"])
+
+
+# --------------------------------------------------------------------------- atomic files
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Call `write(f)` on a temporary file beside `path`, fsync, then rename over `path`.
+
+    If `write` raises, the temporary file is removed and any previous `path` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """Indented JSON with a trailing newline; keys keep insertion order (stable diffs for DVC)."""
+    text = json.dumps(obj, indent=2, allow_nan=False) + "\n"  # serialise first: a bad value writes nothing
+    return write_bytes_atomic(path, text.encode())
+
+
+def write_csv_atomic(path: str | Path, df) -> Path:
+    text = df.to_csv(index=False, lineterminator="\n")
+    return write_bytes_atomic(path, text.encode())
+
+
+def write_figure_atomic(path: str | Path, fig) -> Path:
+    buf = io.BytesIO()
+    # no "Software" stamp: the PNG bytes depend only on the data and the matplotlib renderer
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    return write_bytes_atomic(path, buf.getvalue())
+
+
+# --------------------------------------------------------------------------- plots
+
+def _figure(width: float, height: float, nrows: int = 1, ncols: int = 1):
+    """A figure on the Agg canvas without touching pyplot's global state or backend."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, axes
+
+
+def plot_accuracy(metrics: Mapping[str, Mapping[str, float]], path: str | Path,
+                  tasks: Sequence[str] = TASKS) -> Path:
+    """Grouped bar chart: one group per stage, one bar per task."""
+    stages = list(metrics)
+    fig, axes = _figure(6.0, 4.0)
+    ax = axes[0][0]
+    width = 0.8 / max(len(tasks), 1)
+    for j, task in enumerate(tasks):
+        xs = [i + (j - (len(tasks) - 1) / 2) * width for i in range(len(stages))]
+        ys = [float(metrics[s].get(f"{task}_accuracy", 0.0)) for s in stages]
+        bars = ax.bar(xs, ys, width, label=task)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(len(stages)), stages)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("greedy accuracy")
+    ax.set_title("Accuracy per stage")
+    ax.legend()
+    return write_figure_atomic(path, fig)
+
+
+CURVE_COLUMNS = (("reward", "mean reward"), ("informative", "informative fraction"),
+                 ("kl", "KL to reference"), ("accuracy", "held-out accuracy"))
+
+
+def plot_training_curves(csv_paths: Mapping[str, str | Path], path: str | Path) -> Path:
+    """Reward, informative, KL and accuracy against iteration, one line per stage CSV.
+
+    Stages run one after another, so each later stage's iterations are shifted to start after the
+    previous one's last. Missing files and missing columns are skipped; empty cells (accuracy on
+    iterations without an eval) are dropped rather than drawn as gaps.
+    """
+    import pandas as pd
+
+    fig, axes = _figure(10.0, 6.5, 2, 2)
+    offset = 0
+    plotted = False
+    for stage, csv in csv_paths.items():
+        csv = Path(csv)
+        if not csv.is_file():
+            continue
+        df = pd.read_csv(csv)
+        if "iteration" not in df.columns or df.empty:
+            continue
+        x = df["iteration"] + offset
+        for ax, (col, title) in zip(axes.flat, CURVE_COLUMNS):
+            if col in df.columns:
+                y = pd.to_numeric(df[col], errors="coerce")
+                keep = y.notna()
+                if keep.any():
+                    ax.plot(x[keep], y[keep], marker="." if keep.sum() < 30 else None, label=stage)
+                    plotted = True
+        offset = int(x.max()) + 1
+    for ax, (_, title) in zip(axes.flat, CURVE_COLUMNS):
+        ax.set_title(title)
+        ax.set_xlabel("iteration (stages in order)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    if not plotted:
+        fig.suptitle("no training curves found")
+    return write_figure_atomic(path, fig)
+
+
+# --------------------------------------------------------------------------- terminal table
+
+def summary_table(metrics: Mapping[str, Mapping[str, float | int]], title: str = "Evaluation"):
+    """A rich Table: one row per metric, one column per stage (narrow enough for a terminal)."""
+    from rich.table import Table
+
+    stages = list(metrics)
+    keys: list[str] = []
+    for values in metrics.values():
+        keys += [k for k in values if k not in keys]
+    table = Table(title=title)
+    table.add_column("metric")
+    for s in stages:
+        table.add_column(s, justify="right")
+    for k in keys:
+        cells = []
+        for s in stages:
+            v = metrics[s].get(k)
+            cells.append("" if v is None else (str(v) if isinstance(v, int) else f"{v:.4f}"))
+        table.add_row(k, *cells)
+    return table

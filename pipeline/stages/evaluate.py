@@ -1,0 +1,194 @@
+"""Evaluate stage: score each stage's checkpoint on GSM8K test and the held-out arithmetic set.
+
+For every stage in ``cfg.evaluate.stages`` (checkpoints/<stage>/) and every task, greedy completions
+are generated in batches of ``evaluate.batch_size`` prompts (KV-cached ``rollout_prompts``) and scored
+with the training verifier. With ``evaluate.samples = k > 0``, k seeded samples per problem add
+pass@k and maj@k (see ``pipeline.evaluation``). Outputs, all written atomically:
+
+- ``metrics/eval.json``: ``{stage: {metric: value}}``, fixed key order, floats to 4 decimals;
+- ``reports/predictions_<stage>_<task>.csv``: one row per problem, for error analysis;
+- ``plots/accuracy.csv`` (stage, task, accuracy), ``plots/accuracy.png``, ``plots/training_curves.png``.
+
+The same config and checkpoints give byte-identical eval.json and predictions (greedy decoding is
+deterministic; sampling uses a generator seeded with ``evaluate.seed`` for each stage and task).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline import evaluation as ev
+from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
+from pipeline.errors import InputError
+from pipeline.tracking import stage_logger
+
+TASK_FILES = {"gsm8k": "gsm8k_test.jsonl", "arith": "arith_eval.jsonl"}
+TRAINING_CSVS = ("warmup", "grpo")
+SAMPLE_TABLE_ROWS = 5  # per stage and task, in the tracker's table of sample predictions
+
+
+# --------------------------------------------------------------------------- inputs
+
+def load_rows(path: Path, limit: int = 0) -> list[dict[str, Any]]:
+    """The first `limit` rows (0 = all) of a processed JSONL, in file order (deterministic)."""
+    if not path.is_file():
+        raise InputError(f"{path}: evaluation data not found (it is made by the 'prepare' stage)")
+    rows: list[dict[str, Any]] = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                row["prompt"], row["gold"] = str(row["prompt"]), float(row["gold"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise InputError(f"{path}:{lineno}: bad row ({exc}); expected JSON with prompt and gold") from None
+            rows.append(row)
+            if limit and len(rows) >= limit:
+                break
+    if not rows:
+        raise InputError(f"{path}: no rows to evaluate (re-run the 'prepare' stage)")
+    return rows
+
+
+def checkpoint_folder(stage: str) -> Path:
+    """checkpoints/<stage>/, or an InputError naming the folder and the stage that writes it."""
+    folder = Path(CHECKPOINT_DIR) / stage
+    if not (folder / "config.json").is_file():
+        raise InputError(f"{folder}/: checkpoint not found; it is written by the '{stage}' stage "
+                         f"(run `python -m pipeline {stage}` first, or drop it from evaluate.stages)")
+    return folder
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# --------------------------------------------------------------------------- generation
+
+def generate(policy, prompts: Sequence[str], *, batch_size: int, max_new_tokens: int, group_size: int = 1,
+             greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+             generator: torch.Generator | None = None,
+             advance: Callable[[int], None] | None = None) -> tuple[list[str], list[int], list[bool]]:
+    """Completions for `prompts`, `batch_size` prompts per KV-cached rollout; group-contiguous."""
+    from pipeline.rollout import rollout_prompts
+
+    texts: list[str] = []
+    lengths: list[int] = []
+    truncated: list[bool] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start:start + batch_size])
+        with torch.no_grad():
+            ro = rollout_prompts(policy, chunk, group_size=group_size, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, top_k=0, greedy=greedy,
+                                 generator=generator)
+        texts += list(ro.texts)
+        lengths += [int(x) for x in ro.response_lengths.tolist()]
+        truncated += [bool(x) for x in ro.truncated.tolist()]
+        if advance is not None:
+            advance(len(chunk))
+    return texts, lengths, truncated
+
+
+def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config, device: torch.device,
+                  advance: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Per-example prediction rows of one checkpoint on one task (greedy, plus sampling if enabled)."""
+    e = cfg.evaluate
+    prompts = [r["prompt"] for r in rows]
+    texts, lengths, truncated = generate(policy, prompts, batch_size=e.batch_size,
+                                         max_new_tokens=e.max_new_tokens, advance=advance)
+    out = []
+    for row, text, length, trunc in zip(rows, texts, lengths, truncated):
+        scored = ev.score_completion(text, row["gold"], row.get("source", "gsm8k"))
+        out.append({"id": row.get("id", ""), "question": row.get("question", ""), "gold": row["gold"],
+                    "completion": text, **scored, "response_length": length, "truncated": trunc})
+    k = e.samples
+    if k > 0:
+        generator = torch.Generator(device=device).manual_seed(e.seed)
+        samples, _, _ = generate(policy, prompts, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
+                                 group_size=k, greedy=False, temperature=e.temperature, top_p=e.top_p,
+                                 generator=generator, advance=advance)
+        for i, pred in enumerate(out):
+            group = samples[i * k:(i + 1) * k]  # rollouts are group-contiguous
+            pred.update(ev.sample_stats(group, pred["gold"], k, rows[i].get("source", "gsm8k")))
+    return out
+
+
+# --------------------------------------------------------------------------- stage
+
+def _progress():
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=False)
+
+
+def run_evaluate(cfg: Config) -> dict[str, Any]:
+    """Evaluate every configured checkpoint; write metrics, predictions and plots; return paths and metrics."""
+    e = cfg.evaluate
+    data = {"gsm8k": load_rows(Path(DATA_DIR) / TASK_FILES["gsm8k"], e.gsm8k_limit),
+            "arith": load_rows(Path(DATA_DIR) / TASK_FILES["arith"], e.arith_limit)}
+    stages = list(dict.fromkeys(e.stages))
+    folders = {s: checkpoint_folder(s) for s in stages}  # fail before any generation
+    from pipeline.checkpoint import load_policy
+
+    device = resolve_device(cfg.model.device)
+    passes = 1 + (1 if e.samples > 0 else 0)
+
+    raw: dict[str, dict[str, float | int]] = {}
+    predictions: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    with _progress() as progress:
+        for stage in stages:
+            policy = load_policy(folders[stage], device=device)
+            per_task = {}
+            for task, rows in data.items():
+                bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes)
+                per_task[task] = evaluate_task(policy, rows, cfg, device,
+                                               advance=lambda n, bar=bar: progress.advance(bar, n))
+                predictions[stage, task] = per_task[task]
+            raw[stage] = ev.stage_metrics(per_task, e.samples)
+            del policy
+    metrics = ev.round_metrics(raw)
+
+    written = _write_outputs(metrics, predictions)
+    from rich.console import Console
+
+    Console(stderr=True).print(ev.summary_table(metrics, title="Evaluation (greedy)"))
+
+    with stage_logger(cfg, "evaluate") as log:
+        log.log_params({k: str(v) for k, v in cfg.flat().items() if k.startswith("evaluate.")})
+        log.log_metrics({f"eval/{s}/{k}": float(v) for s, m in metrics.items() for k, v in m.items()}, step=0)
+        for path in written.values():
+            log.log_artifact(path)
+        log.log_table(_sample_table(predictions), name="eval_samples.json")
+    return {"paths": {k: str(v) for k, v in written.items()}, "metrics": metrics}
+
+
+def _write_outputs(metrics: dict, predictions: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Path]:
+    import pandas as pd
+
+    written: dict[str, Path] = {}
+    for (stage, task), preds in predictions.items():
+        path = Path(REPORTS_DIR) / f"predictions_{stage}_{task}.csv"
+        written[f"predictions_{stage}_{task}"] = ev.write_csv_atomic(path, pd.DataFrame(preds))
+    written["accuracy_csv"] = ev.write_csv_atomic(Path(PLOTS_DIR) / "accuracy.csv", ev.accuracy_table(metrics))
+    written["accuracy_png"] = ev.plot_accuracy(metrics, Path(PLOTS_DIR) / "accuracy.png")
+    written["training_curves_png"] = ev.plot_training_curves(
+        {s: Path(PLOTS_DIR) / f"{s}.csv" for s in TRAINING_CSVS}, Path(PLOTS_DIR) / "training_curves.png")
+    # the metrics file last: its presence means everything above is complete
+    written["eval_json"] = ev.write_json_atomic(Path(METRICS_DIR) / "eval.json", metrics)
+    return written
+
+
+def _sample_table(predictions: dict[tuple[str, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    keys = ("id", "question", "gold", "completion", "parsed", "reward", "correct")
+    return [{"stage": stage, "task": task, **{k: p[k] for k in keys}}
+            for (stage, task), preds in predictions.items() for p in preds[:SAMPLE_TABLE_ROWS]]

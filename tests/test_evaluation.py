@@ -1,0 +1,315 @@
+"""Evaluation: scoring of hand-made completions, pass@k / maj@k, atomic and reproducible outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline import evaluation as ev
+from pipeline.config import Config
+from pipeline.errors import InputError
+
+# --------------------------------------------------------------------------- scoring
+
+
+HAND_MADE = [  # (completion, gold, correct, well_formed)
+    ("6 * 7 = 42 <answer>42</answer>", 42.0, True, True),
+    ("so the total is 42", 42.0, True, False),               # right number, no tag: correct, not formatted
+    ("<answer>41</answer>", 42.0, False, True),              # formatted but wrong
+    ("<answer></answer>", 3.0, False, False),                # empty tag earns nothing
+    ("<answer>1,234</answer>", 1234.0, True, True),
+    ("<answer>0.5</answer> <answer>0.5</answer>", 0.5, True, False),  # two blocks: not well formed
+    ("I don't know", 7.0, False, False),
+    ("<answer>-3</answer>", -3.0, True, True),
+]
+
+
+def test_scoring_hand_made_completions():
+    texts = [t for t, *_ in HAND_MADE]
+    golds = [g for _, g, *_ in HAND_MADE]
+    scored = ev.score_completions(texts, golds)
+    assert [s["correct"] for s in scored] == [c for *_, c, _ in HAND_MADE]
+    assert [s["well_formed"] for s in scored] == [w for *_, w in HAND_MADE]
+    assert ev.accuracy(scored) == 5 / 8
+    assert ev.format_rate(scored) == 4 / 8
+    # reward = 1.0 * correct + 0.2 * well formed (the training verifier)
+    assert [s["reward"] for s in scored] == pytest.approx([1.2, 1.0, 0.2, 0.0, 1.2, 1.0, 0.0, 1.2])
+    assert scored[6]["parsed"] is None and scored[4]["parsed"] == 1234.0
+
+
+def test_scoring_length_mismatch_and_empty():
+    with pytest.raises(ValueError):
+        ev.score_completions(["a"], [1.0, 2.0])
+    assert ev.accuracy([]) == 0.0 and ev.format_rate([]) == 0.0
+
+
+def _row(correct, well_formed, length, truncated, **extra):
+    return {"correct": correct, "well_formed": well_formed, "response_length": length,
+            "truncated": truncated, **extra}
+
+
+def test_stage_metrics_values_and_key_order():
+    per_task = {
+        "gsm8k": [_row(True, True, 10, False), _row(False, True, 20, True), _row(False, False, 30, True)],
+        "arith": [_row(True, True, 4, False)],
+    }
+    m = ev.stage_metrics(per_task)
+    assert list(m)[:5] == ["gsm8k_accuracy", "arith_accuracy", "format_rate", "mean_response_length",
+                           "truncation_rate"]
+    assert m["gsm8k_accuracy"] == pytest.approx(1 / 3) and m["arith_accuracy"] == 1.0
+    assert m["format_rate"] == pytest.approx(3 / 4)  # pooled over both tasks
+    assert m["mean_response_length"] == pytest.approx(16.0)
+    assert m["truncation_rate"] == pytest.approx(0.5)
+    assert m["gsm8k_format_rate"] == pytest.approx(2 / 3) and m["gsm8k_examples"] == 3
+    assert m["arith_examples"] == 1
+    rounded = ev.round_metrics({"sft": m})
+    assert rounded["sft"]["gsm8k_accuracy"] == 0.3333 and isinstance(rounded["sft"]["gsm8k_examples"], int)
+
+
+def test_stage_metrics_with_sampling_keys():
+    rows = [_row(True, True, 5, False, samples_correct=1, pass_at_k=1.0, maj_correct=False),
+            _row(False, True, 5, False, samples_correct=0, pass_at_k=0.0, maj_correct=False)]
+    m = ev.stage_metrics({"gsm8k": rows, "arith": rows}, samples=4)
+    assert m["gsm8k_pass_at_4"] == 0.5 and m["gsm8k_maj_at_4"] == 0.0
+    assert m["gsm8k_pass_at_1"] == pytest.approx(1 / 8)
+    assert all("@" not in k for k in m)  # MLflow metric names may not contain '@'
+
+
+# --------------------------------------------------------------------------- pass@k
+
+
+def _pass_at_k_closed_form(n, c, k):
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _pass_at_k_brute_force(n, c, k):
+    """Fraction of the k-subsets of n samples (the first c correct) that hold a correct one."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_pass_at_k_matches_closed_form_and_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            got = ev.pass_at_k(n, c, k)
+            assert got == pytest.approx(_pass_at_k_closed_form(n, c, k), abs=1e-12)
+            assert got == pytest.approx(_pass_at_k_brute_force(n, c, k), abs=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 200).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+def test_pass_at_k_closed_form_property(nck):
+    n, c, k = nck
+    got = ev.pass_at_k(n, c, k)
+    assert 0.0 <= got <= 1.0
+    assert got == pytest.approx(_pass_at_k_closed_form(n, c, k), abs=1e-9)
+
+
+def test_pass_at_k_special_cases_and_errors():
+    assert ev.pass_at_k(5, 0, 3) == 0.0
+    assert ev.pass_at_k(5, 5, 1) == 1.0
+    assert ev.pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the fraction correct
+    assert ev.pass_at_k(4, 1, 4) == 1.0                    # n = k: any sample correct
+    for bad in [(3, 4, 1), (3, 1, 0), (3, 1, 4), (3, -1, 1)]:
+        with pytest.raises(ValueError):
+            ev.pass_at_k(*bad)
+
+
+# --------------------------------------------------------------------------- maj@k
+
+
+def test_majority_vote_tie_broken_by_earliest_first_occurrence():
+    assert ev.majority_vote([2.0, 3.0, 3.0, 2.0]) == 2.0
+    assert ev.majority_vote([3.0, 2.0, 2.0, 3.0]) == 3.0
+    assert ev.majority_vote([None, 7.0, 5.0, None]) == 7.0   # None does not vote; then a 1-1 tie
+    assert ev.majority_vote([1.0, 2.0, 2.0]) == 2.0          # a strict majority beats order
+    assert ev.majority_vote([5, 5.0, 4.0, 4.0, 4.0]) == 4.0  # 5 and 5.0 are one answer (2 votes < 3)
+    assert ev.majority_vote([None, None]) is None and ev.majority_vote([]) is None
+    assert ev.majority_vote([float("nan"), 1.0]) == 1.0
+
+
+def test_maj_correct_and_sample_stats():
+    assert ev.maj_correct([1.0, 2.0, 2.0], 2.0) and not ev.maj_correct([1.0, 2.0, 1.0], 2.0)
+    assert not ev.maj_correct([None, None], 0.0)
+    texts = ["<answer>4</answer>", "<answer>5</answer>", "<answer>5</answer>", "no idea"]
+    s = ev.sample_stats(texts, 4.0, k=4)
+    assert s == {"samples_correct": 1, "pass_at_k": 1.0, "maj_answer": 5.0, "maj_correct": False}
+
+
+# --------------------------------------------------------------------------- files
+
+
+def test_failed_write_leaves_previous_file_intact(tmp_path):
+    path = tmp_path / "metrics" / "eval.json"
+    ev.write_json_atomic(path, {"sft": {"gsm8k_accuracy": 0.5}})
+    before = path.read_bytes()
+
+    def half_then_fail(f):
+        f.write(b'{"sft": {"gsm8k_acc')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ev.atomic_write(path, half_then_fail)
+    assert path.read_bytes() == before
+    with pytest.raises(ValueError):  # NaN is refused before anything is written
+        ev.write_json_atomic(path, {"sft": {"gsm8k_accuracy": float("nan")}})
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["eval.json"]  # no temporary left behind
+
+
+def _predictions():
+    texts = [t for t, *_ in HAND_MADE]
+    golds = [g for _, g, *_ in HAND_MADE]
+    return [{"id": f"q{i}", "question": f"question {i}, with \"quotes\"\nand a newline", "gold": g,
+             "completion": t, **s, "response_length": len(t), "truncated": i % 3 == 0}
+            for i, (t, g, s) in enumerate(zip(texts, golds, ev.score_completions(texts, golds)))]
+
+
+def test_outputs_are_byte_identical_on_rerun(tmp_path, monkeypatch):
+    from pipeline.stages import evaluate as stage
+
+    monkeypatch.chdir(tmp_path)
+    preds = {(s, t): _predictions() for s in ("sft", "grpo") for t in ("gsm8k", "arith")}
+    metrics = ev.round_metrics({s: ev.stage_metrics({t: preds[s, t] for t in ("gsm8k", "arith")})
+                                for s in ("sft", "grpo")})
+    first = stage._write_outputs(metrics, preds)
+    snapshot = {k: Path(p).read_bytes() for k, p in first.items()}
+    second = stage._write_outputs(metrics, preds)
+    assert {k: Path(p).read_bytes() for k, p in second.items()} == snapshot
+
+    data = json.loads(snapshot["eval_json"])
+    assert list(data) == ["sft", "grpo"] and data["sft"]["gsm8k_accuracy"] == 0.625
+    acc = pd.read_csv(first["accuracy_csv"])
+    assert list(acc.columns) == ["stage", "task", "accuracy"] and len(acc) == 4
+    back = pd.read_csv(first["predictions_sft_gsm8k"], keep_default_na=False)
+    assert back["completion"].tolist() == [t for t, *_ in HAND_MADE]
+    assert back["question"][0] == preds["sft", "gsm8k"][0]["question"]
+    assert snapshot["accuracy_png"].startswith(b"\x89PNG")
+
+
+def test_training_curves_skip_missing_files_and_empty_cells(tmp_path):
+    warm = tmp_path / "warmup.csv"
+    warm.write_text("iteration,reward,informative,kl,clipfrac,accuracy\n"
+                    "0,0.1,0.5,0.0,0.0,0.2\n1,0.3,0.6,0.01,0.1,\n2,0.5,0.7,0.02,0.1,0.4\n")
+    grpo = tmp_path / "grpo.csv"
+    grpo.write_text("iteration,reward,kl\n0,0.6,0.0\n1,0.7,0.01\n")
+    out = ev.plot_training_curves({"warmup": warm, "grpo": grpo, "missing": tmp_path / "nope.csv"},
+                                  tmp_path / "curves.png")
+    assert out.read_bytes().startswith(b"\x89PNG")
+    empty = ev.plot_training_curves({"warmup": tmp_path / "nope.csv"}, tmp_path / "empty.png")
+    assert empty.is_file()
+
+
+def test_summary_table_renders_every_stage_and_metric():
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(ev.summary_table({"sft": {"gsm8k_accuracy": 0.25, "gsm8k_examples": 8},
+                                    "grpo": {"gsm8k_accuracy": 0.5, "gsm8k_examples": 8}}))
+    text = console.export_text()
+    for word in ("sft", "grpo", "gsm8k_accuracy", "0.2500", "0.5000", "8"):
+        assert word in text
+
+
+# --------------------------------------------------------------------------- stage
+
+
+def _write_data(root: Path, n: int = 3) -> None:
+    from pipeline.config import DEFAULT_TEMPLATE
+
+    (root / "data").mkdir(exist_ok=True)
+    for name, source in (("gsm8k_test.jsonl", "gsm8k"), ("arith_eval.jsonl", "arith")):
+        with (root / "data" / name).open("w") as f:
+            for i in range(n):
+                q = f"What is {i} + {i + 1}?"
+                f.write(json.dumps({"id": f"{source}-{i}", "source": source, "question": q,
+                                    "prompt": DEFAULT_TEMPLATE.format(question=q), "gold": float(2 * i + 1),
+                                    "solution": f"<answer>{2 * i + 1}</answer>", "level": 1}) + "\n")
+
+
+def _quiet_cfg() -> Config:
+    cfg = Config()
+    cfg.tracking.enabled = False
+    return cfg
+
+
+def test_missing_checkpoint_names_folder_and_stage(tmp_path, monkeypatch):
+    from pipeline.stages.evaluate import run_evaluate
+
+    monkeypatch.chdir(tmp_path)
+    _write_data(tmp_path)
+    cfg = _quiet_cfg()
+    cfg.evaluate.stages = ["warmup"]
+    with pytest.raises(InputError, match=r"checkpoints/warmup.*'warmup' stage"):
+        run_evaluate(cfg)
+
+
+def test_missing_data_is_an_input_error(tmp_path, monkeypatch):
+    from pipeline.stages.evaluate import run_evaluate
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"gsm8k_test.jsonl.*'prepare' stage"):
+        run_evaluate(_quiet_cfg())
+
+
+def test_limit_takes_the_first_rows_in_file_order(tmp_path):
+    from pipeline.stages.evaluate import load_rows
+
+    _write_data(tmp_path, n=5)
+    rows = load_rows(tmp_path / "data" / "gsm8k_test.jsonl", limit=2)
+    assert [r["id"] for r in rows] == ["gsm8k-0", "gsm8k-1"]
+    assert len(load_rows(tmp_path / "data" / "gsm8k_test.jsonl", limit=0)) == 5
+
+
+_HAS_POLICY = all(importlib.util.find_spec(m) is not None
+                  for m in ("pipeline.checkpoint", "pipeline.rollout", "pipeline.model.policy"))
+
+
+@pytest.mark.skipif(not _HAS_POLICY, reason="policy/checkpoint/rollout code not in this tree yet")
+def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
+    from pipeline.checkpoint import save_policy
+    from pipeline.model.policy import build_policy
+    from pipeline.stages.evaluate import run_evaluate
+    from pipeline.tokenizer import train_tokenizer
+
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    _write_data(tmp_path, n=3)
+    cfg = _quiet_cfg()
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size = 1, 2, 32, 128
+    cfg.model.device = "cpu"
+    cfg.evaluate.batch_size, cfg.evaluate.max_new_tokens, cfg.evaluate.samples = 2, 6, 2
+    corpus = [json.loads(line)["prompt"] + " <answer>3</answer>"
+              for line in (tmp_path / "data" / "gsm8k_test.jsonl").read_text().splitlines()]
+    tok = train_tokenizer(corpus * 4, vocab_size=300)
+    for i, stage in enumerate(cfg.evaluate.stages):
+        torch.manual_seed(i)
+        save_policy(tmp_path / "checkpoints" / stage, build_policy(cfg.model, tok))
+
+    first = run_evaluate(cfg)
+    outputs = ["metrics/eval.json"] + [f"reports/predictions_{s}_{t}.csv"
+                                       for s in cfg.evaluate.stages for t in ("gsm8k", "arith")]
+    snapshot = {p: (tmp_path / p).read_bytes() for p in outputs}
+    second = run_evaluate(cfg)
+    assert {p: (tmp_path / p).read_bytes() for p in outputs} == snapshot
+    assert first["metrics"] == second["metrics"]
+
+    metrics = json.loads(snapshot["metrics/eval.json"])
+    assert list(metrics) == ["sft", "warmup", "grpo"]
+    for m in metrics.values():
+        assert {"gsm8k_accuracy", "arith_accuracy", "format_rate", "gsm8k_pass_at_2", "gsm8k_maj_at_2"} <= set(m)
+        assert m["gsm8k_examples"] == 3 and 0 <= m["mean_response_length"] <= 6
+    preds = pd.read_csv(tmp_path / "reports/predictions_sft_gsm8k.csv", keep_default_na=False)
+    assert {"question", "gold", "completion", "parsed", "reward", "correct"} <= set(preds.columns)
+    for name in ("accuracy.png", "training_curves.png", "accuracy.csv"):
+        assert (tmp_path / "plots" / name).is_file()
