@@ -1,0 +1,105 @@
+"""Config loading: every rule gives one clear line naming the key; the CLI exits 2 without a traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import Config, ConfigError, config_from_dict, dump_config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_params_yaml_and_smoke_load_and_match_schema():
+    default = load_config(ROOT / "params.yaml")
+    assert default.grpo.group_size == 8 and default.grpo.clip == 0.2 and default.grpo.kl_coef == 0.04
+    assert default.grpo.temperature == 1.0 and default.grpo.grpo_epochs == 1 and default.grpo.grad_clip == 1.0
+    assert default.data.gsm8k_source == "openai/gsm8k"
+    for name in ("smoke.yaml", "gpu.yaml"):
+        load_config(ROOT / "configs" / name)
+
+
+def test_params_yaml_lists_every_field():
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert set(raw) == set(Config().to_dict())
+    for section, values in Config().to_dict().items():
+        assert set(raw[section]) == set(values), f"params.yaml section {section} differs from pipeline/config.py"
+
+
+def test_dump_round_trips():
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", ["grpo.kl_coef=0.02"])
+    again = config_from_dict(yaml.safe_load(dump_config(cfg)))
+    assert again == cfg and again.grpo.kl_coef == 0.02
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("grpo.group_size=1", r"grpo\.group_size = 1 is out of range; allowed: an integer >= 2"),
+    ("warmup.group_size=0", r"warmup\.group_size = 0 is out of range"),
+    ("grpo.clip=0", r"grpo\.clip = 0.0 is out of range; allowed: a number in \(0, 1\)"),
+    ("grpo.clip=1.0", r"grpo\.clip = 1.0 is out of range"),
+    ("grpo.lr=0", r"grpo\.lr = 0.0 is out of range; allowed: a number > 0"),
+    ("sft.lr=-1e-3", r"sft\.lr = -0.001 is out of range"),
+    ("grpo.temperature=0", r"grpo\.temperature = 0.0 is out of range; allowed: a number > 0"),
+    ("grpo.top_p=0", r"grpo\.top_p = 0.0 is out of range; allowed: a number in \(0, 1\]"),
+    ("grpo.top_p=1.5", r"grpo\.top_p = 1.5 is out of range"),
+    ("grpo.kl_coef=-0.1", r"grpo\.kl_coef = -0.1 is out of range"),
+    ("model.n_embd=102", r"model\.n_embd = 102 .*divisible by model\.n_head"),
+    ("data.prompt_template=hello", r"data\.prompt_template .*containing \{question\}"),
+    ("grpo.rollout_len=100000", r"grpo\.rollout_len = 100000 .*model\.block_size"),
+    ("grpo.clipp=0.3", r"unknown key grpo\.clipp \(did you mean grpo\.clip\?\)"),
+    ("grop.clip=0.3", r"unknown section 'grop' \(did you mean grpo\?\)"),
+    ("grpo.group_size=eight", r"grpo\.group_size = 'eight' has the wrong type; expected an integer"),
+    ("grpo.group_size=2.5", r"grpo\.group_size = 2\.5 has the wrong type; expected an integer"),
+    ("grpo.dynamic_sampling=3", r"grpo\.dynamic_sampling = 3 has the wrong type; expected true or false"),
+    ("grpo.lr=true", r"grpo\.lr = True has the wrong type; expected a number"),
+    ("grpo.adv_norm=grup", r"grpo\.adv_norm = 'grup' is not allowed \(did you mean 'group'\?\); allowed: group, batch, none"),
+    ("evaluate.stages=[sft, ppo]", r"evaluate\.stages .*sft, warmup, grpo"),
+    ("model.backend=hf", r"model\.backend .*model\.init"),
+])
+def test_bad_values_name_the_key(override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        load_config(ROOT / "params.yaml", [override])
+    assert "\n" not in str(info.value)
+    assert "params.yaml" in str(info.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml: params file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  clip: [0.2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("grpo: 3\n")
+    with pytest.raises(ConfigError, match="section 'grpo' must be a mapping"):
+        load_config(scalar)
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(ROOT / "params.yaml", ["clip=0.2"])
+
+
+def test_yaml_scientific_notation_string_is_accepted(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("grpo:\n  lr: 1e-5\n")  # YAML 1.1 reads this as a string
+    assert load_config(p).grpo.lr == 1e-5
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_error_is_one_line_exit_2():
+    res = _cli("grpo", "--set", "grpo.group_size=1")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
+    assert "grpo.group_size" in res.stderr
+
+
+def test_cli_print_config_applies_overrides():
+    res = _cli("grpo", "--params", "configs/smoke.yaml", "--set", "grpo.kl_coef=0.02", "--print-config")
+    assert res.returncode == 0, res.stderr
+    printed = yaml.safe_load(res.stdout)
+    assert printed["grpo"]["kl_coef"] == 0.02 and printed["model"]["n_layer"] == 2
