@@ -6,6 +6,11 @@ Stages do::
         log.log_params(...); log.log_metrics({"train/reward": r}, step=it)
 
 Metric names are namespaced: ``train/reward``, ``train/kl``, ``train/informative``, ``eval/...``.
+
+Run layout and the parent-run scheme (one parent run per pipeline execution, one nested run per
+stage, found across ``dvc repro`` processes) are documented in :mod:`pipeline.tracking_mlflow`.
+Orchestrators pass context through environment variables, never imports: ``GRPO_PARENT_RUN_ID``
+(the parent run a flow created) and ``GRPO_PREFECT_FLOW_RUN_ID`` (tagged on every run).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.config import Config
+from pipeline.errors import InputError
 
 
 class Logger(Protocol):
@@ -55,3 +61,43 @@ def stage_logger(cfg: Config, stage: str, enabled: bool = True) -> Iterator[Logg
 
     with mlflow_stage_logger(cfg, stage) as log:
         yield log
+
+
+class TrackingUnavailableError(InputError):
+    """The MLflow tracking backend cannot be reached; raised before any training starts."""
+
+
+PARENT_RUN_ENV = "GRPO_PARENT_RUN_ID"
+FLOW_RUN_ENV = "GRPO_PREFECT_FLOW_RUN_ID"
+
+
+def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str] | None = None) -> str | None:
+    """Open a parent run for one pipeline execution (a flow run); None when tracking is off.
+
+    Raises ``TrackingUnavailableError`` (an ``InputError``) within seconds if the backend is down.
+    """
+    if not cfg.tracking.enabled:
+        return None
+    from pipeline.tracking_mlflow import start_pipeline_run as _start
+
+    return _start(cfg, name=name, tags=tags)
+
+
+def end_pipeline_run(cfg: Config, run_id: str | None, status: str = "FINISHED") -> None:
+    """Close the parent run opened by :func:`start_pipeline_run` (FINISHED, FAILED or KILLED)."""
+    if run_id is None or not cfg.tracking.enabled:
+        return
+    from pipeline.tracking_mlflow import end_pipeline_run as _end
+
+    _end(cfg, run_id, status)
+
+
+def compare_runs(cfg: Config, max_runs: int = 10) -> str:
+    """The experiment's pipeline runs side by side (params that differ, final metrics per stage).
+
+    The CLI counterpart of MLflow's compare view: ``python -m pipeline compare``. Works with
+    ``tracking.enabled: false`` too (it only reads), so smoke configs can list their runs.
+    """
+    from pipeline.tracking_mlflow import compare_text
+
+    return compare_text(cfg, max_runs)

@@ -1,0 +1,399 @@
+"""MLflow adapter behind :mod:`pipeline.tracking`: the only module that imports the MLflow SDK.
+
+Run layout: one *parent* run per pipeline execution, one nested *stage* run per stage execution
+(MLflow's ``mlflow.parentRunId`` tag), so the UI shows ``pipeline -> prepare, sft, warmup, grpo, evaluate``.
+
+How a stage finds its parent (every stage may be a separate process, e.g. under ``dvc repro``):
+
+1. ``GRPO_PARENT_RUN_ID`` set (the Prefect flow creates the parent and exports its id to its
+   tasks): use that run; the flow ends it.
+2. Otherwise the parent is keyed by a tag ``pipeline_run`` = hash(effective config, git commit,
+   DVC experiment name). A stage reuses the newest parent with that key that is not FINISHED
+   (a crashed or killed run re-run with the same params continues in the same parent), or creates
+   one. The last stage (``evaluate``) marks the parent FINISHED, so the next ``dvc repro`` with the
+   same params starts a fresh parent. A changed param gives a new key, hence a new parent holding
+   just the stages DVC re-ran.
+
+Failure policy: the tracking backend is probed when a stage starts, *before* any training; an
+unreachable server raises :class:`TrackingUnavailableError` (an ``InputError``: one line, exit 2)
+naming the URI and how to turn tracking off. A failure while logging later only warns once and
+stops logging for that stage: training is never lost for the sake of a metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import STAGES, Config
+from pipeline.errors import InputError
+from pipeline.tracking import FLOW_RUN_ENV, TrackingUnavailableError
+from pipeline.tracking import PARENT_RUN_ENV as PARENT_ENV
+
+PROBE_TIMEOUT_S = 5.0
+ROLE_TAG = "grpo.role"  # "pipeline" on parents, "stage" on nested stage runs
+KEY_TAG = "pipeline_run"
+
+
+# --------------------------------------------------------------------------- helpers
+
+def tracking_uri(cfg: Config) -> str:
+    """The effective tracking URI: ``MLFLOW_TRACKING_URI`` wins over ``tracking.uri``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri
+
+
+def _unavailable(uri: str, why: str) -> TrackingUnavailableError:
+    why = " ".join(str(why).split())[:200]
+    return TrackingUnavailableError(
+        f"MLflow tracking at {uri} is unavailable ({why}); start the server, point tracking.uri or "
+        f"MLFLOW_TRACKING_URI elsewhere, or run without tracking: --set tracking.enabled=false")
+
+
+def probe(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Fail within ``timeout`` seconds if an http(s) tracking server does not answer (no retries)."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+    except requests.exceptions.Timeout:
+        raise _unavailable(uri, f"no answer within {timeout:g} s") from None
+    except requests.exceptions.RequestException as exc:
+        why = "connection refused" if "refused" in str(exc).lower() else type(exc).__name__
+        raise _unavailable(uri, why) from None
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+@contextlib.contextmanager
+def _no_http_retries() -> Iterator[None]:
+    """Make MLflow's REST calls fail fast (its defaults retry with backoff for minutes)."""
+    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(PROBE_TIMEOUT_S))}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def experiment_id(cfg: Config, client=None) -> str:
+    """Id of ``cfg.tracking.experiment``, created if missing; fails fast if the backend is down."""
+    uri = tracking_uri(cfg)
+    probe(uri)
+    client = client or _client(uri)
+    try:
+        with _no_http_retries():
+            exp = client.get_experiment_by_name(cfg.tracking.experiment)
+            if exp is None:
+                return client.create_experiment(cfg.tracking.experiment)
+            if exp.lifecycle_stage == "deleted":
+                client.restore_experiment(exp.experiment_id)
+            return exp.experiment_id
+    except InputError:
+        raise
+    except Exception as exc:  # any backend failure here happens before training: report it in one line
+        if "already exists" in str(exc):  # created concurrently by another stage process
+            return client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+        raise _unavailable(uri, f"{type(exc).__name__}: {exc}") from None
+
+
+def git_commit(cwd: str | Path = ".") -> str | None:
+    """HEAD commit of the working directory's git repo, with ``-dirty`` if tracked files changed."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _md5_path(path: Path) -> str | None:
+    """md5 of a file, or of a folder's (relative name, md5) list; None if missing."""
+    if path.is_file():
+        h = hashlib.md5()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    if path.is_dir():
+        items = [(str(p.relative_to(path)), _md5_path(p)) for p in sorted(path.rglob("*"))
+                 if p.is_file() and "__pycache__" not in p.parts]
+        return hashlib.md5(json.dumps(items).encode()).hexdigest()
+    return None
+
+
+def dvc_tags(stage: str, cfg: Config, root: str | Path = ".") -> dict[str, str]:
+    """Tags tying a stage run to DVC: stage name, experiment, and hashes of the stage's inputs.
+
+    ``dvc.inputs_md5`` hashes the stage's params sections and its deps as ``dvc.yaml`` lists them;
+    a dep that an upstream stage produced takes the md5 recorded in ``dvc.lock`` (fresh: DVC writes
+    the lock after each stage), anything else (code) is hashed here. ``dvc.lock_md5`` is the md5 of
+    ``dvc.lock`` when the stage started.
+    """
+    import yaml
+
+    root = Path(root)
+    tags: dict[str, str] = {}
+    for env, tag in (("DVC_STAGE", "dvc.stage"), ("DVC_EXP_NAME", "dvc.exp_name"),
+                     ("DVC_EXP_BASELINE_REV", "dvc.exp_baseline_rev")):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
+    lock_path, yaml_path = root / "dvc.lock", root / "dvc.yaml"
+    if not lock_path.is_file():
+        return tags
+    try:
+        tags["dvc.lock_md5"] = _md5_path(lock_path) or ""
+        lock = yaml.safe_load(lock_path.read_text()) or {}
+        spec = (yaml.safe_load(yaml_path.read_text()) or {}).get("stages", {}).get(stage) if yaml_path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return tags
+    if not spec:
+        return tags
+    produced = {o["path"]: o.get("md5") for s in lock.get("stages", {}).values() for o in s.get("outs", [])}
+    sections = cfg.to_dict()
+    inputs = {"params": {p: sections.get(p) for p in spec.get("params", []) if isinstance(p, str)}}
+    for dep in spec.get("deps", []):
+        inputs[dep] = produced.get(dep) or _md5_path(root / dep)
+    tags["dvc.inputs_md5"] = hashlib.md5(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+    return tags
+
+
+def pipeline_key(cfg: Config, commit: str | None) -> str:
+    """Key of one pipeline execution for processes that share no memory (e.g. ``dvc repro``)."""
+    blob = json.dumps({"config": cfg.flat(), "git": commit, "exp": os.environ.get("DVC_EXP_NAME")},
+                      sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def _params(cfg: Config) -> dict[str, str]:
+    return {k: str(v)[:6000] for k, v in cfg.flat().items()}
+
+
+def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
+    """Log params, skipping those the run already has (MLflow params are write-once)."""
+    from mlflow.entities import Param
+
+    have = client.get_run(run_id).data.params
+    new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in have]
+    for i in range(0, len(new), 100):
+        client.log_batch(run_id, params=new[i:i + 100])
+
+
+def _common_tags(cfg: Config) -> dict[str, str]:
+    tags = {"git.commit": git_commit() or "unknown"}
+    if os.environ.get(FLOW_RUN_ENV):
+        tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
+    return tags
+
+
+# --------------------------------------------------------------------------- parent runs
+
+def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str] | None = None) -> str:
+    """Create a parent run explicitly (used by the Prefect flow); returns its id."""
+    uri = tracking_uri(cfg)
+    client = _client(uri)
+    exp_id = experiment_id(cfg, client)
+    all_tags = {ROLE_TAG: "pipeline", **_common_tags(cfg), **(tags or {})}
+    run = client.create_run(exp_id, tags=all_tags, run_name=name or "pipeline")
+    _log_params(client, run.info.run_id, _params(cfg))
+    return run.info.run_id
+
+
+def end_pipeline_run(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
+    """Mark a parent run FINISHED / FAILED / KILLED."""
+    _client(tracking_uri(cfg)).set_terminated(run_id, status=status)
+
+
+def _find_or_create_parent(client, exp_id: str, cfg: Config) -> tuple[str, bool]:
+    """(parent run id, owned): ``owned`` is True when this module manages its lifecycle."""
+    env_parent = os.environ.get(PARENT_ENV)
+    if env_parent:
+        return env_parent, False
+    commit = git_commit()
+    key = pipeline_key(cfg, commit)
+    found = client.search_runs(
+        [exp_id], filter_string=f"tags.{KEY_TAG} = '{key}' and attributes.status != 'FINISHED'",
+        order_by=["attributes.start_time DESC"], max_results=1)
+    if found:
+        run_id = found[0].info.run_id
+        if found[0].info.status != "RUNNING":
+            client.update_run(run_id, status="RUNNING")
+        return run_id, True
+    tags = {ROLE_TAG: "pipeline", KEY_TAG: key, **_common_tags(cfg)}
+    if os.environ.get("DVC_EXP_NAME"):
+        tags["dvc.exp_name"] = os.environ["DVC_EXP_NAME"]
+    run = client.create_run(exp_id, tags=tags, run_name=f"pipeline-{key[:8]}")
+    _log_params(client, run.info.run_id, _params(cfg))
+    return run.info.run_id, True
+
+
+# --------------------------------------------------------------------------- stage logger
+
+class MlflowLogger:
+    """:class:`pipeline.tracking.Logger` writing to one MLflow run through an explicit client
+    (no fluent global state, so concurrent Prefect task threads cannot mix runs up)."""
+
+    def __init__(self, client, run_id: str, uri: str):
+        self.client, self.run_id, self.uri = client, run_id, uri
+        self._broken = False
+
+    def _guard(self, what: str, fn, *args, **kwargs) -> None:
+        if self._broken:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # never lose training for a metric: warn once, stop logging
+            self._broken = True
+            msg = " ".join(str(exc).split())[:200]
+            print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
+                  f"tracking disabled for the rest of this stage", file=sys.stderr)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._guard("log_params", _log_params, self.client, self.run_id, params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = []
+        for key, value in metrics.items():
+            try:
+                items.append(Metric(key, float(value), ts, int(step)))
+            except (TypeError, ValueError):  # not a number (e.g. None): nothing to plot
+                continue
+        if items:
+            self._guard("log_metrics", self.client.log_batch, self.run_id, metrics=items)
+
+    def log_artifact(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self._guard("log_artifacts", self.client.log_artifacts, self.run_id, str(path), path.name)
+        else:
+            self._guard("log_artifact", self.client.log_artifact, self.run_id, str(path))
+
+    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        import pandas as pd
+
+        artifact = name if name.endswith(".json") else f"{name}.json"
+        self._guard("log_table", self.client.log_table, self.run_id, pd.DataFrame(rows), artifact)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self._guard("set_tags", self.client.log_batch, self.run_id,
+                    tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
+
+
+@contextlib.contextmanager
+def mlflow_stage_logger(cfg: Config, stage: str) -> Iterator[MlflowLogger]:
+    """A nested stage run under the pipeline's parent; fails fast (before training) if unreachable."""
+    uri = tracking_uri(cfg)
+    client = _client(uri)
+    exp_id = experiment_id(cfg, client)  # probe: raises TrackingUnavailableError in seconds
+    try:
+        with _no_http_retries():
+            parent_id, owned = _find_or_create_parent(client, exp_id, cfg)
+            tags = {"mlflow.parentRunId": parent_id, ROLE_TAG: "stage", "grpo.stage": stage,
+                    **_common_tags(cfg), **dvc_tags(stage, cfg)}
+            run = client.create_run(exp_id, tags=tags, run_name=stage)
+    except Exception as exc:
+        raise _unavailable(uri, f"{type(exc).__name__}: {exc}") from None
+    log = MlflowLogger(client, run.info.run_id, uri)
+    log.log_params(_params(cfg))
+    try:
+        yield log
+    except BaseException as exc:
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        with contextlib.suppress(Exception):
+            client.set_terminated(run.info.run_id, status=status)
+            if owned:
+                client.set_terminated(parent_id, status=status)
+        raise
+    with contextlib.suppress(Exception):
+        client.set_terminated(run.info.run_id, status="FINISHED")
+        if owned and stage == STAGES[-1]:
+            client.set_terminated(parent_id, status="FINISHED")
+
+
+# --------------------------------------------------------------------------- comparison
+
+DEFAULT_KEY_PARAMS = ("model.backend", "model.n_embd", "sft.steps", "warmup.iterations", "grpo.iterations",
+                      "grpo.kl_coef", "grpo.lr", "grpo.group_size", "grpo.loss_agg", "grpo.adv_norm")
+
+
+def runs_table(cfg: Config, max_runs: int = 10):
+    """DataFrame, one column per pipeline run (newest first): params that differ, final metrics.
+
+    Rows are ``param:<section.key>`` and ``<stage>:<metric>`` (the last logged value of each
+    metric of each stage run), like MLflow's compare view.
+    """
+    import pandas as pd
+
+    uri = tracking_uri(cfg)
+    client = _client(uri)
+    exp_id = experiment_id(cfg, client)
+    parents = client.search_runs([exp_id], filter_string=f"tags.`{ROLE_TAG}` = 'pipeline'",
+                                 order_by=["attributes.start_time DESC"], max_results=max_runs)
+    columns: dict[str, dict[str, Any]] = {}
+    all_params: dict[str, dict[str, str]] = {}
+    for p in parents:
+        rid = p.info.run_id
+        col_name = f"{p.info.run_name or rid[:8]} ({rid[:6]})"
+        col: dict[str, Any] = {"status": p.info.status,
+                               "started": pd.Timestamp(p.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M")}
+        all_params[col_name] = p.data.params
+        children = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{rid}'",
+                                      order_by=["attributes.start_time ASC"])
+        for child in children:  # later executions of a stage (resumes) overwrite earlier ones
+            stage = child.data.tags.get("grpo.stage", child.info.run_name)
+            for key, value in child.data.metrics.items():
+                col[f"{stage}:{key}"] = value
+        columns[col_name] = col
+    if not columns:
+        return pd.DataFrame()
+    keys = sorted({k for ps in all_params.values() for k in ps})
+    differing = [k for k in keys if len({ps.get(k) for ps in all_params.values()}) > 1]
+    shown = differing or [k for k in DEFAULT_KEY_PARAMS if k in keys]
+    for name, col in columns.items():
+        for k in shown:
+            col[f"param:{k}"] = all_params[name].get(k)
+    df = pd.DataFrame(columns)
+    order = (["status", "started"] + [f"param:{k}" for k in shown]
+             + sorted(i for i in df.index if i not in {"status", "started"} and not i.startswith("param:")))
+    return df.reindex(order)
+
+
+def compare_text(cfg: Config, max_runs: int = 10) -> str:
+    import pandas as pd
+
+    df = runs_table(cfg, max_runs)
+    uri = tracking_uri(cfg)
+    if df.empty:
+        return f"no pipeline runs in experiment {cfg.tracking.experiment!r} at {uri}"
+    with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200,
+                           "display.max_colwidth", 40, "display.float_format", "{:.4g}".format):
+        return (f"experiment {cfg.tracking.experiment!r} at {uri}: {df.shape[1]} pipeline run(s), "
+                f"newest first\n{df.to_string()}")
+

@@ -1,0 +1,214 @@
+"""MLflow tracking: parent/nested runs across processes, tags, metrics with steps, tables,
+fail-fast on an unreachable server, and the `compare` table. One SQLite store per module."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Config, TrackingConfig
+from pipeline.tracking import (NullLogger, TrackingUnavailableError, compare_runs, end_pipeline_run,
+                               stage_logger, start_pipeline_run)
+
+REPO = Path(__file__).resolve().parents[1]
+QUIET_ENV = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+             "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    return "sqlite:///" + str(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    for k, v in QUIET_ENV.items():
+        monkeypatch.setenv(k, v)
+    for k in ("MLFLOW_TRACKING_URI", "GRPO_PARENT_RUN_ID", "GRPO_PREFECT_FLOW_RUN_ID", "DVC_STAGE",
+              "DVC_EXP_NAME"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(tmp_path)  # dvc.lock / git lookups see an empty folder
+
+
+def make_cfg(uri: str, experiment: str, **grpo) -> Config:
+    cfg = Config(tracking=TrackingConfig(enabled=True, uri=uri, experiment=experiment))
+    for k, v in grpo.items():
+        setattr(cfg.grpo, k, v)
+    return cfg
+
+
+def client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def runs(uri: str, experiment: str):
+    c = client(uri)
+    exp = c.get_experiment_by_name(experiment)
+    return c.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_disabled_tracking_yields_null_logger():
+    cfg = Config(tracking=TrackingConfig(enabled=False, uri="http://127.0.0.1:1"))
+    with stage_logger(cfg, "sft") as log:
+        assert isinstance(log, NullLogger)
+    with stage_logger(make_cfg("http://127.0.0.1:1", "x"), "sft", enabled=False) as log:  # rank != 0
+        assert isinstance(log, NullLogger)
+    assert start_pipeline_run(cfg) is None
+
+
+def test_stages_share_one_parent_and_evaluate_closes_it(store):
+    cfg = make_cfg(store, "parents")
+    for stage in ("prepare", "sft", "grpo"):
+        with stage_logger(cfg, stage) as log:
+            for it in range(3):
+                log.log_metrics({"train/reward": 0.1 * it, "train/kl": 0.01}, step=it)
+            log.log_params({"extra.n_params": 123, "grpo.kl_coef": cfg.grpo.kl_coef})  # repeat is fine
+            log.set_tags({"note": "x"})
+    with stage_logger(cfg, "evaluate") as log:
+        log.log_table([{"stage": "grpo", "accuracy": 0.5}, {"stage": "sft", "accuracy": 0.25}], "eval_table")
+        Path("report.txt").write_text("hello")
+        log.log_artifact("report.txt")
+    all_runs = runs(store, "parents")
+    parents = [r for r in all_runs if r.data.tags.get("grpo.role") == "pipeline"]
+    stages = [r for r in all_runs if r.data.tags.get("grpo.role") == "stage"]
+    assert len(parents) == 1 and [r.info.run_name for r in stages] == ["prepare", "sft", "grpo", "evaluate"]
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["pipeline_run"]
+    assert parent.data.params["grpo.kl_coef"] == str(cfg.grpo.kl_coef)
+    for r in stages:
+        assert r.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert r.info.status == "FINISHED" and "git.commit" in r.data.tags
+        assert r.data.params["sft.steps"] == str(cfg.sft.steps)
+    grpo = stages[2]
+    hist = client(store).get_metric_history(grpo.info.run_id, "train/reward")
+    assert [(m.step, round(m.value, 3)) for m in hist] == [(0, 0.0), (1, 0.1), (2, 0.2)]
+    assert grpo.data.params["extra.n_params"] == "123"
+    arts = {a.path for a in client(store).list_artifacts(stages[3].info.run_id)}
+    assert {"eval_table.json", "report.txt"} <= arts
+    # the next execution with the same params gets a fresh parent (the first one is FINISHED)
+    with stage_logger(cfg, "prepare"):
+        pass
+    assert len([r for r in runs(store, "parents") if r.data.tags.get("grpo.role") == "pipeline"]) == 2
+
+
+def test_failed_stage_marks_runs_failed_and_rerun_continues_in_same_parent(store):
+    cfg = make_cfg(store, "resume")
+    with pytest.raises(RuntimeError), stage_logger(cfg, "grpo") as log:
+        log.log_metrics({"train/reward": 0.0}, step=0)
+        raise RuntimeError("killed")
+    first = runs(store, "resume")
+    assert {r.info.run_name: r.info.status for r in first}["grpo"] == "FAILED"
+    with stage_logger(cfg, "grpo"):
+        pass
+    with stage_logger(cfg, "evaluate"):
+        pass
+    after = runs(store, "resume")
+    parents = [r for r in after if r.data.tags.get("grpo.role") == "pipeline"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(after) == 4  # parent + failed grpo + resumed grpo + evaluate
+
+
+def test_flow_parent_from_env_is_not_closed_by_stages(store, monkeypatch):
+    cfg = make_cfg(store, "flow")
+    parent = start_pipeline_run(cfg, name="flow-x", tags={"prefect.flow_run_id": "abc"})
+    monkeypatch.setenv("GRPO_PARENT_RUN_ID", parent)
+    monkeypatch.setenv("GRPO_PREFECT_FLOW_RUN_ID", "abc")
+    with stage_logger(cfg, "evaluate"):
+        pass
+    rs = {r.info.run_name: r for r in runs(store, "flow")}
+    assert rs["flow-x"].info.status == "RUNNING"
+    assert rs["evaluate"].data.tags["mlflow.parentRunId"] == parent
+    assert rs["evaluate"].data.tags["prefect.flow_run_id"] == "abc"
+    end_pipeline_run(cfg, parent, "FINISHED")
+    assert client(store).get_run(parent).info.status == "FINISHED"
+
+
+def test_env_tracking_uri_overrides_config(store, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    cfg = make_cfg("http://127.0.0.1:1", "env-override")  # would fail if used
+    with stage_logger(cfg, "sft"):
+        pass
+    assert len(runs(store, "env-override")) == 2
+
+
+def test_dvc_tags_hash_stage_inputs(tmp_path, monkeypatch):
+    from pipeline.tracking_mlflow import dvc_tags
+
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "dvc.yaml").write_text(textwrap.dedent("""\
+        stages:
+          grpo:
+            cmd: python -m pipeline grpo
+            params: [grpo]
+            deps: [checkpoints/warmup, code.py]
+        """))
+    (tmp_path / "dvc.lock").write_text(textwrap.dedent("""\
+        schema: '2.0'
+        stages:
+          warmup:
+            outs:
+            - path: checkpoints/warmup
+              md5: aaaa.dir
+        """))
+    monkeypatch.setenv("DVC_STAGE", "grpo")
+    cfg = Config()
+    tags = dvc_tags("grpo", cfg, tmp_path)
+    assert tags["dvc.stage"] == "grpo" and len(tags["dvc.lock_md5"]) == 32
+    cfg.grpo.kl_coef = 0.5
+    assert dvc_tags("grpo", cfg, tmp_path)["dvc.inputs_md5"] != tags["dvc.inputs_md5"]
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert dvc_tags("grpo", Config(), tmp_path)["dvc.inputs_md5"] != tags["dvc.inputs_md5"]
+
+
+def test_unreachable_server_fails_fast_with_one_line(monkeypatch):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = make_cfg(uri, "down")
+    t0 = time.monotonic()
+    with pytest.raises(TrackingUnavailableError) as info, stage_logger(cfg, "grpo"):
+        pytest.fail("the stage body (training) must not start")
+    assert time.monotonic() - t0 < 10
+    msg = str(info.value)
+    assert uri in msg and "--set tracking.enabled=false" in msg and "\n" not in msg
+
+
+def test_compare_cli_fails_fast_when_server_down(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(f"tracking:\n  uri: http://127.0.0.1:{free_port()}\n  experiment: x\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "compare", "--params", str(params)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode != 0 and "tracking.enabled=false" in proc.stderr
+
+
+def test_compare_runs_lists_pipelines_side_by_side(store):
+    for kl in (0.04, 0.02):
+        cfg = make_cfg(store, "compare", kl_coef=kl)
+        with stage_logger(cfg, "grpo") as log:
+            log.log_metrics({"train/reward": kl * 10}, step=0)
+            log.log_metrics({"train/reward": kl * 20}, step=1)
+        with stage_logger(cfg, "evaluate") as log:
+            log.log_metrics({"eval/gsm8k_accuracy": kl}, step=0)
+    text = compare_runs(make_cfg(store, "compare"))
+    assert "2 pipeline run(s)" in text
+    lines = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:]}
+    assert lines["param:grpo.kl_coef"] == ["0.02", "0.04"]  # newest first
+    assert lines["grpo:train/reward"] == ["0.4", "0.8"]  # final (last step) values
+    assert "evaluate:eval/gsm8k_accuracy" in lines
+    assert "no pipeline runs" in compare_runs(make_cfg(store, "empty"))
