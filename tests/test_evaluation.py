@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -270,6 +271,27 @@ def test_limit_takes_the_first_rows_in_file_order(tmp_path):
     assert len(load_rows(tmp_path / "data" / "gsm8k_test.jsonl", limit=0)) == 5
 
 
+class _RecordingLogger:
+    """A small real fake of `stage_logger(cfg, stage)` that keeps what it is given."""
+
+    def __init__(self):
+        self.metrics, self.artifacts, self.tables = {}, [], []
+
+    @contextlib.contextmanager
+    def __call__(self, cfg, stage):
+        assert stage == "evaluate"
+        yield self
+
+    def log_metrics(self, metrics, step):
+        self.metrics.update(metrics)
+
+    def log_artifact(self, path):
+        self.artifacts.append(str(path))
+
+    def log_table(self, rows, name):
+        self.tables.append((name, rows))
+
+
 _HAS_POLICY = all(importlib.util.find_spec(m) is not None
                   for m in ("pipeline.checkpoint", "pipeline.rollout", "pipeline.model.policy"))
 
@@ -296,7 +318,11 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
         torch.manual_seed(i)
         save_policy(tmp_path / "checkpoints" / stage, build_policy(cfg.model, tok))
 
+    logged = _RecordingLogger()
+    monkeypatch.setattr("pipeline.stages.evaluate.stage_logger", logged)
     first = run_evaluate(cfg)
+    assert logged.metrics["eval/sft/gsm8k_accuracy"] == first["metrics"]["sft"]["gsm8k_accuracy"]
+    assert any(p.endswith("eval.json") for p in logged.artifacts) and logged.tables
     outputs = ["metrics/eval.json"] + [f"reports/predictions_{s}_{t}.csv"
                                        for s in cfg.evaluate.stages for t in ("gsm8k", "arith")]
     snapshot = {p: (tmp_path / p).read_bytes() for p in outputs}

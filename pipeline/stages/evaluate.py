@@ -65,12 +65,6 @@ def checkpoint_folder(stage: str) -> Path:
     return folder
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 # --------------------------------------------------------------------------- generation
 
 def generate(policy, prompts: Sequence[str], *, batch_size: int, max_new_tokens: int, group_size: int = 1,
@@ -97,7 +91,7 @@ def generate(policy, prompts: Sequence[str], *, batch_size: int, max_new_tokens:
     return texts, lengths, truncated
 
 
-def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config, device: torch.device,
+def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
                   advance: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Per-example prediction rows of one checkpoint on one task (greedy, plus sampling if enabled)."""
     e = cfg.evaluate
@@ -111,7 +105,7 @@ def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config, device: t
                     "completion": text, **scored, "response_length": length, "truncated": trunc})
     k = e.samples
     if k > 0:
-        generator = torch.Generator(device=device).manual_seed(e.seed)
+        generator = torch.Generator(device=policy.device).manual_seed(e.seed)
         samples, _, _ = generate(policy, prompts, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
                                  group_size=k, greedy=False, temperature=e.temperature, top_p=e.top_p,
                                  generator=generator, advance=advance)
@@ -138,38 +132,40 @@ def run_evaluate(cfg: Config) -> dict[str, Any]:
             "arith": load_rows(Path(DATA_DIR) / TASK_FILES["arith"], e.arith_limit)}
     stages = list(dict.fromkeys(e.stages))
     folders = {s: checkpoint_folder(s) for s in stages}  # fail before any generation
-    from pipeline.checkpoint import load_policy
-
-    device = resolve_device(cfg.model.device)
-    passes = 1 + (1 if e.samples > 0 else 0)
-
-    raw: dict[str, dict[str, float | int]] = {}
-    predictions: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    with _progress() as progress:
-        for stage in stages:
-            policy = load_policy(folders[stage], device=device)
-            per_task = {}
-            for task, rows in data.items():
-                bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes)
-                per_task[task] = evaluate_task(policy, rows, cfg, device,
-                                               advance=lambda n, bar=bar: progress.advance(bar, n))
-                predictions[stage, task] = per_task[task]
-            raw[stage] = ev.stage_metrics(per_task, e.samples)
-            del policy
-    metrics = ev.round_metrics(raw)
-
-    written = _write_outputs(metrics, predictions)
-    from rich.console import Console
-
-    Console(stderr=True).print(ev.summary_table(metrics, title="Evaluation (greedy)"))
-
+    # the logger opens first: an unreachable tracking server fails in seconds, before generation
     with stage_logger(cfg, "evaluate") as log:
-        log.log_params({k: str(v) for k, v in cfg.flat().items() if k.startswith("evaluate.")})
+        metrics, predictions = _evaluate_all(cfg, data, folders)
+        written = _write_outputs(metrics, predictions)
+        from rich.console import Console
+
+        Console(stderr=True).print(ev.summary_table(metrics, title="Evaluation"))
         log.log_metrics({f"eval/{s}/{k}": float(v) for s, m in metrics.items() for k, v in m.items()}, step=0)
         for path in written.values():
             log.log_artifact(path)
         log.log_table(_sample_table(predictions), name="eval_samples.json")
     return {"paths": {k: str(v) for k, v in written.items()}, "metrics": metrics}
+
+
+def _evaluate_all(cfg: Config, data: dict[str, list[dict[str, Any]]], folders: dict[str, Path]):
+    """(rounded metrics {stage: {metric: value}}, predictions {(stage, task): rows})."""
+    from pipeline.checkpoint import load_policy
+
+    passes = 1 + (1 if cfg.evaluate.samples > 0 else 0)  # greedy, then the sampled groups
+    raw: dict[str, dict[str, float | int]] = {}
+    predictions: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    with _progress() as progress:
+        for stage, folder in folders.items():
+            policy = load_policy(folder, device=cfg.model.device)  # `auto`: CUDA if available
+            policy.eval()
+            per_task = {}
+            for task, rows in data.items():
+                bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes)
+                per_task[task] = evaluate_task(policy, rows, cfg,
+                                               advance=lambda n, bar=bar: progress.advance(bar, n))
+                predictions[stage, task] = per_task[task]
+            raw[stage] = ev.stage_metrics(per_task, cfg.evaluate.samples)
+            del policy
+    return ev.round_metrics(raw), predictions
 
 
 def _write_outputs(metrics: dict, predictions: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Path]:
