@@ -1,0 +1,123 @@
+"""prepare: GSM8K (validated, converted, train/val/test) + the arithmetic curriculum + the tokenizer.
+
+Writes under `data/` (each file atomically; same inputs and seed -> byte-identical files):
+  gsm8k_train.jsonl  gsm8k_val.jsonl  gsm8k_test.jsonl  arith_train.jsonl  arith_eval.jsonl
+  tokenizer.json     stats.json
+Rows follow the schema of docs/architecture.md. `val_size` GSM8K train rows are held out (seeded)
+for validation; the test split is only read by the final evaluation. The tokenizer is trained on the
+prompts and SFT responses of the training rows only (GSM8K train after the hold-out, arithmetic stream).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import DATA_DIR, Config
+from pipeline.data.arithmetic import generate_curriculum
+from pipeline.data.gsm8k import BadRow, load_raw, validate_split
+from pipeline.data.prompts import response_text
+from pipeline.errors import InputError
+from pipeline.evaluation import write_bytes_atomic, write_json_atomic
+from pipeline.tokenizer import TOKENIZER_FILE, train_tokenizer
+
+log = logging.getLogger(__name__)
+
+SPLIT_FILES = ("gsm8k_train", "gsm8k_val", "gsm8k_test", "arith_train", "arith_eval")
+MAX_LISTED_BAD = 50  # rejected rows listed one by one in stats.json (all are counted)
+
+
+def split_validation(rows: list[dict], val_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, val): `val_size` rows drawn with `seed`; both keep the source order."""
+    if val_size >= len(rows):
+        raise InputError(f"data.val_size = {val_size} leaves no training rows "
+                         f"(GSM8K train has {len(rows)} valid rows)")
+    order = list(range(len(rows)))
+    random.Random(f"gsm8k-val-{seed}").shuffle(order)
+    held = set(order[:val_size])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    text = "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows)
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a prepared JSONL file (for the stages after prepare)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: not found (run the prepare stage first)")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}:{lineno}: invalid JSON ({exc.msg}); rerun the prepare stage") from None
+    return rows
+
+
+def _length_stats(values: list[int]) -> dict[str, float]:
+    if not values:
+        return {"min": 0, "mean": 0.0, "p95": 0, "max": 0}
+    ordered = sorted(values)
+    return {"min": ordered[0], "mean": round(statistics.fmean(ordered), 2),
+            "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], "max": ordered[-1]}
+
+
+def token_stats(tok, rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Prompt, response (SFT target + eos) and total token lengths of one file's rows."""
+    prompts = [len(ids) for ids in tok.encode_batch([r["prompt"] for r in rows])]
+    responses = [len(ids) + 1 for ids in tok.encode_batch([response_text(r["solution"]) for r in rows])]
+    return {"prompt": _length_stats(prompts), "response": _length_stats(responses),
+            "total": _length_stats([p + q for p, q in zip(prompts, responses)])}
+
+
+def _report_bad(bad: list[BadRow]) -> None:
+    for b in bad[:10]:
+        log.warning("rejected GSM8K %s row %s: %s", b.split, b.location, b.reason)
+    if len(bad) > 10:
+        log.warning("... and %d more rejected rows (listed in %s/stats.json)", len(bad) - 10, DATA_DIR)
+
+
+def run_prepare(cfg: Config) -> dict[str, Any]:
+    d = cfg.data
+    out = Path(DATA_DIR)
+    raw = load_raw(d.gsm8k_source, d.gsm8k_config)
+    gsm_train, bad_train = validate_split(raw["train"], "train", d.prompt_template, d.max_bad_fraction,
+                                          d.gsm8k_source)
+    gsm_test, bad_test = validate_split(raw["test"], "test", d.prompt_template, d.max_bad_fraction,
+                                        d.gsm8k_source)
+    bad = bad_train + bad_test
+    _report_bad(bad)
+    gsm_train, gsm_val = split_validation(gsm_train, d.val_size, d.seed)
+    arith_train, arith_eval = generate_curriculum(d.arith_train_size, d.arith_eval_size, d.arith_max_level,
+                                                  d.seed, d.prompt_template)
+    splits = {"gsm8k_train": gsm_train, "gsm8k_val": gsm_val, "gsm8k_test": gsm_test,
+              "arith_train": arith_train, "arith_eval": arith_eval}
+
+    # Prompt and response are separate texts, as they are tokenized separately (no merge across them).
+    corpus = [t for r in gsm_train + arith_train for t in (r["prompt"], response_text(r["solution"]))]
+    tok = train_tokenizer(corpus, d.vocab_size)
+
+    paths = {name: str(write_jsonl(out / f"{name}.jsonl", rows)) for name, rows in splits.items()}
+    paths["tokenizer"] = str(tok.save(out))
+    assert paths["tokenizer"].endswith(TOKENIZER_FILE)
+    stats = {
+        "source": d.gsm8k_source,
+        "counts": {name: len(rows) for name, rows in splits.items()},
+        "gsm8k_rows_read": {"train": len(raw["train"]), "test": len(raw["test"])},
+        "rejected": {"train": len(bad_train), "test": len(bad_test),
+                     "rows": [vars(b) for b in bad[:MAX_LISTED_BAD]]},
+        "arith_levels": {str(lv): sum(r["level"] == lv for r in arith_train)
+                         for lv in range(1, d.arith_max_level + 1)},
+        "vocab_size": tok.vocab_size,
+        "token_lengths": {name: token_stats(tok, rows) for name, rows in splits.items()},
+    }
+    paths["stats"] = str(write_json_atomic(out / "stats.json", stats))
+    return {"outputs": paths, "counts": stats["counts"], "rejected": len(bad)}
