@@ -1,0 +1,62 @@
+"""Serve the pipeline as a scheduled Prefect deployment (visible and triggerable in the Prefect UI).
+
+Start a server (UI at http://127.0.0.1:4200) and, from the repo root, serve the flow on a cron::
+
+    prefect server start --host 127.0.0.1                      # terminal 1
+    export PREFECT_API_URL=http://127.0.0.1:4200/api           # terminal 2
+    python -m flows.serve --cron "0 3 * * *" --params params.yaml
+
+The serving process polls the server and runs scheduled or UI-triggered runs itself, in this working
+directory (so outputs land in the repo like ``dvc repro``), one at a time (``limit=1``: runs share
+data/ and checkpoints/). Ctrl-C stops serving and pauses the schedule. Trigger a run from the CLI with
+``prefect deployment run grpo-pipeline/nightly``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prefect.deployments.runner import EntrypointType
+
+from flows.grpo_pipeline import grpo_pipeline
+from pipeline.config import ConfigError, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flows.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--name", default="nightly", help="deployment name (default: nightly)")
+    p.add_argument("--cron", default="0 3 * * *", help='cron schedule (default: "0 3 * * *", daily 03:00)')
+    p.add_argument("--timezone", default=None, help="IANA timezone of the cron (default: UTC)")
+    p.add_argument("--params", default="params.yaml", help="params file the scheduled runs use")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one param for the scheduled runs; repeatable")
+    p.add_argument("--paused", action="store_true", help="create the schedule paused (trigger by hand)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        load_config(args.params, args.overrides)  # refuse to schedule a config that cannot run
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from prefect.schedules import Cron
+
+    grpo_pipeline.serve(
+        name=args.name,
+        schedules=[Cron(args.cron, timezone=args.timezone)] if args.timezone else None,
+        cron=None if args.timezone else args.cron,
+        paused=args.paused,
+        parameters={"params_path": args.params, "overrides": args.overrides},
+        tags=["grpo"],
+        description="GRPO pipeline: prepare -> sft -> warmup -> grpo -> evaluate",
+        limit=1,
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Prefect tasks and flows: unit tests call `task.fn`; flows run under `prefect_test_harness`.
+
+The end-to-end test runs the real smoke pipeline through the flow in a temporary copy of the repo
+and checks one task run per stage, the evaluation artifact, the MLflow nesting, and that the flow
+writes the same files as the CLI/DVC stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import STAGES
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+QUIET_ENV = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+             "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+os.environ.update(QUIET_ENV)
+
+
+# --------------------------------------------------------------------------- helpers shared with other tests
+
+def copy_repo(dst: Path, git: bool = True) -> Path:
+    """Tracked (and not ignored) files of the repo into `dst`, smoke params as params.yaml, GSM8K absolute."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        src = REPO / rel
+        if src.is_file() and not rel.startswith((".ci/", "tests/")):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    smoke = (REPO / "configs" / "smoke.yaml").read_text()
+    (dst / "params.yaml").write_text(smoke.replace("../shared/data/gsm8k", str(GSM8K)))
+    if git:
+        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t"}
+        for cmd in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
+            subprocess.run(cmd, cwd=dst, check=True, env=env)
+    return dst
+
+
+def output_files(root: Path) -> set[str]:
+    """Pipeline outputs (relative paths), the set a flow run and `dvc repro` must agree on."""
+    out = set()
+    for top in ("data", "checkpoints", "metrics", "plots", "reports"):
+        out |= {str(p.relative_to(root)) for p in (root / top).rglob("*") if p.is_file()} if (root / top).exists() else set()
+    return {p for p in out if ".resume" not in p and not p.endswith(".gitignore")}
+
+
+def task_runs_of(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def artifacts_of(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield
+
+
+# --------------------------------------------------------------------------- unit: retry conditions and task.fn
+
+def _failed(exc):
+    from prefect.states import Failed
+
+    return Failed(data=exc)
+
+
+def test_retry_conditions_retry_only_transient_failures():
+    from pipeline.errors import InputError
+    from pipeline.tracking import TrackingUnavailableError
+    from tasks.stages import prepare, retry_on_tracking_outage, retry_on_transient, sft
+
+    outage = TrackingUnavailableError("MLflow tracking at http://x is unavailable")
+    wrapped = InputError("openai/gsm8k: download failed")
+    wrapped.__cause__ = ConnectionResetError("reset by peer")
+    assert retry_on_transient(prepare, None, _failed(wrapped))
+    assert retry_on_transient(prepare, None, _failed(TimeoutError()))
+    assert retry_on_transient(prepare, None, _failed(outage))
+    assert not retry_on_transient(prepare, None, _failed(InputError("data/x.jsonl:3: bad row")))
+    assert not retry_on_transient(prepare, None, _failed(FileNotFoundError("x")))
+    assert retry_on_tracking_outage(sft, None, _failed(outage))
+    assert not retry_on_tracking_outage(sft, None, _failed(RuntimeError("loss is nan")))
+    assert not retry_on_tracking_outage(sft, None, _failed(ConnectionError("nccl")))  # training: never blind
+    assert prepare.retries == 2 and prepare.retry_condition_fn is retry_on_transient
+    assert all(t.retry_condition_fn is not None for t in (sft,))
+
+
+def test_stage_task_fn_loads_config_and_exports_tracking_env(monkeypatch, tmp_path):
+    import tasks.stages as ts
+
+    seen = {}
+
+    def fake_stage(cfg):
+        seen.update(kl=cfg.grpo.kl_coef, parent=os.environ.get("GRPO_PARENT_RUN_ID"))
+        return {"checkpoint": Path("checkpoints/grpo"), "reward": 0.5}
+
+    monkeypatch.setattr(ts, "stage_function", lambda name: fake_stage)
+    monkeypatch.delenv("GRPO_PARENT_RUN_ID", raising=False)
+    params = tmp_path / "p.yaml"
+    params.write_text("grpo:\n  kl_coef: 0.04\n")
+    out = ts.grpo.fn(str(params), ["grpo.kl_coef=0.02"], parent_run_id="abc123")
+    assert out == {"stage": "grpo", "checkpoint": "checkpoints/grpo", "reward": 0.5}  # JSON-only
+    assert seen == {"kl": 0.02, "parent": "abc123"}
+    assert "GRPO_PARENT_RUN_ID" not in os.environ  # restored after the stage
+    assert list(ts.STAGE_TASKS) == list(STAGES) and [t.name for t in ts.STAGE_TASKS.values()] == list(STAGES)
+
+
+def test_flow_rejects_bad_config_before_any_task(tmp_path, harness):
+    from flows.grpo_pipeline import grpo_pipeline
+    from pipeline.config import ConfigError
+
+    params = tmp_path / "p.yaml"
+    params.write_text("grpo:\n  kl_coefs: 0.1\n")
+    state = grpo_pipeline(str(params), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError, match="did you mean grpo.kl_coef"):
+        state.result()
+    assert task_runs_of(state.state_details.flow_run_id) == []
+
+
+def test_flow_structure_with_fake_stages(monkeypatch, tmp_path, harness):
+    """Fast: one task run per stage in order, MLflow parent + nested runs, the eval artifact."""
+    import tasks.stages as ts
+    from flows.grpo_pipeline import grpo_pipeline
+
+    order = []
+
+    def fake(name):
+        def run(cfg):
+            order.append((name, os.environ.get("GRPO_PREFECT_FLOW_RUN_ID")))
+            from pipeline.tracking import stage_logger
+
+            with stage_logger(cfg, name) as log:
+                log.log_metrics({"train/reward": 1.0}, step=0)
+            return {"metrics": {"sft": {"gsm8k_accuracy": 0.1}, "grpo": {"gsm8k_accuracy": 0.2}}} if name == "evaluate" else {}
+        return run
+
+    monkeypatch.setattr(ts, "stage_function", fake)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = "sqlite:///" + str(tmp_path / "mlflow.db")
+    params = tmp_path / "p.yaml"
+    params.write_text(f"tracking:\n  enabled: true\n  uri: {uri}\n  experiment: flowtest\n")
+    state = grpo_pipeline(str(params), return_state=True)
+    assert state.is_completed(), state
+    flow_run_id = state.state_details.flow_run_id
+    assert [n for n, _ in order] == list(STAGES)
+    assert {fr for _, fr in order} == {str(flow_run_id)}
+    runs = task_runs_of(flow_run_id)
+    names = [r.name.rsplit("-", 1)[0] for r in runs]  # task run names are "<task>-<n>"
+    assert sorted(n for n in names if n in STAGES) == sorted(STAGES)
+    assert all(r.state.is_completed() for r in runs)
+    arts = {a.key: a for a in artifacts_of(flow_run_id)}
+    assert arts["grpo-eval"].type == "table" and "gsm8k_accuracy" in str(arts["grpo-eval"].data)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("flowtest")
+    all_runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in all_runs if r.data.tags.get("grpo.role") == "pipeline"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert parents[0].data.tags["prefect.flow_run_id"] == str(flow_run_id)
+    children = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert sorted(r.info.run_name for r in children) == sorted(STAGES)
+
+
+def test_failed_stage_fails_the_flow_and_marks_parent_failed(monkeypatch, tmp_path, harness):
+    import tasks.stages as ts
+    from flows.grpo_pipeline import grpo_pipeline
+
+    def fake(name):
+        def run(cfg):
+            if name == "warmup":
+                raise RuntimeError("diverged")
+            return {}
+        return run
+
+    monkeypatch.setattr(ts, "stage_function", fake)
+    uri = "sqlite:///" + str(tmp_path / "mlflow.db")
+    params = tmp_path / "p.yaml"
+    params.write_text(f"tracking:\n  enabled: true\n  uri: {uri}\n  experiment: failtest\n")
+    state = grpo_pipeline(str(params), return_state=True)
+    assert state.is_failed()
+    runs = {r.name.rsplit("-", 1)[0]: r for r in task_runs_of(state.state_details.flow_run_id)}
+    assert runs["warmup"].state.is_failed() and runs["warmup"].run_count == 1  # training is not retried
+    assert "grpo" not in runs
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("failtest")
+    [parent] = client.search_runs([exp.experiment_id])
+    assert parent.info.status == "FAILED"
+
+
+# --------------------------------------------------------------------------- end to end (real smoke stages)
+
+def test_smoke_pipeline_through_flow_matches_cli(tmp_path, harness, monkeypatch):
+    """The real smoke pipeline through the flow; then the CLI in a second copy writes the same files."""
+    from flows.grpo_pipeline import grpo_pipeline
+
+    flow_dir = copy_repo(tmp_path / "flow", git=False)
+    monkeypatch.chdir(flow_dir)
+    state = grpo_pipeline("params.yaml", ["tracking.enabled=true", "tracking.uri=sqlite:///mlflow.db"],
+                          return_state=True)
+    assert state.is_completed(), state
+    flow_run_id = state.state_details.flow_run_id
+    runs = task_runs_of(flow_run_id)
+    per_stage = {s: [r for r in runs if r.name.rsplit("-", 1)[0] == s] for s in STAGES}
+    assert all(len(v) == 1 and v[0].state.is_completed() for v in per_stage.values()), per_stage
+    arts = {a.key: a for a in artifacts_of(flow_run_id)}
+    assert "grpo-eval" in arts
+    metrics = json.loads((flow_dir / "metrics" / "eval.json").read_text())
+    assert set(metrics) == {"sft", "warmup", "grpo"}
+    assert str(metrics["grpo"]) and "grpo" in str(arts["grpo-eval"].data)
+
+    cli_dir = copy_repo(tmp_path / "cli", git=False)
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "all"], cwd=cli_dir, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **QUIET_ENV})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert output_files(flow_dir) == output_files(cli_dir)
+    assert json.loads((cli_dir / "metrics" / "eval.json").read_text()) == metrics  # deterministic smoke
