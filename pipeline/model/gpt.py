@@ -1,0 +1,297 @@
+"""A from-scratch decoder-only GPT, small enough to read in one sitting (after nanoGPT).
+
+Architecture (Llama-like, so a rope model exports 1:1 to ``LlamaForCausalLM``):
+pre-norm blocks ``x + attn(rmsnorm(x))`` and ``x + mlp(rmsnorm(x))``; multi-head causal attention
+through ``F.scaled_dot_product_attention``; SwiGLU MLP with hidden width ``4 * n_embd``; rotary
+(``positions="rope"``, the rotate-half convention of HF Llama, theta 10,000) or learned absolute
+positions; no biases; the output head is tied to the token embedding.
+
+Padding: every forward takes an ``attention_mask`` (1 = token, 0 = pad). Positions come from the
+mask (``cumsum - 1``), so left and right padding give a sequence the same positions and logits.
+Pad queries attend to themselves only, which keeps them finite; their outputs are ignored.
+
+Incremental decoding: a :class:`KVCache` preallocates keys/values for ``max_len`` positions; a
+forward with ``cache=`` writes its keys/values at ``cache.length`` and attends over everything
+written so far, so a new token costs one position, not the whole prefix.
+
+The seed's size (24 layers, 1024 wide, 16 heads, context 1024, vocab 2048) is ~405.8M parameters
+with learned positions and ~404.8M with rope: 16 * n_embd^2 per block (4 attention + 12 SwiGLU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 2048
+    """Tokens in the vocabulary (the tokenizer's `vocab_size`)."""
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    n_embd: int = 256
+    """Residual stream width."""
+    block_size: int = 512
+    """Maximum context length (positions)."""
+    positions: str = "rope"
+    """`rope` (rotary) or `learned` (absolute position table)."""
+    dropout: float = 0.0
+    """Dropout on attention and residual branches (active in train mode only)."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    @classmethod
+    def from_model_config(cls, mc, vocab_size: int) -> GPTConfig:
+        """Build from a :class:`pipeline.config.ModelConfig` and the tokenizer's vocabulary size."""
+        return cls(vocab_size=vocab_size, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
+                   block_size=mc.block_size, positions=mc.positions, dropout=mc.dropout)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token counted over real tokens only; pads get 0. (B, T) -> (B, T) long."""
+    mask = attention_mask.long()
+    return ((mask.cumsum(-1) - 1) * mask).clamp(min=0)
+
+
+class KVCache:
+    """Preallocated keys/values of every layer for `max_len` positions of a batch.
+
+    `k`, `v`: (n_layer, B, n_head, max_len, head_dim); `key_mask`: (B, max_len) bool, True where
+    a real token was written; `length`: positions written so far (the same for every row).
+    """
+
+    def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device, dtype) -> None:
+        shape = (cfg.n_layer, batch, cfg.n_head, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.key_mask = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def repeat_interleave(self, repeats: int) -> KVCache:
+        """Each row repeated `repeats` times in place of one (row i -> rows i*r .. i*r+r-1)."""
+        out = KVCache.__new__(KVCache)
+        out.k = self.k.repeat_interleave(repeats, dim=1)
+        out.v = self.v.repeat_interleave(repeats, dim=1)
+        out.key_mask = self.key_mask.repeat_interleave(repeats, dim=0)
+        out.length = self.length
+        return out
+
+
+def _rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (block_size, head_dim) in HF Llama's rotate-half layout."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    freqs = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv_freq)  # (S, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (S, D)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by per-token angles; cos/sin are (B, 1, T, D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # fused q, k, v
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, rope, attn_mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            start, end = cache.length, cache.length + T
+            cache.k[layer, :, :, start:end] = k
+            cache.v[layer, :, :, start:end] = v
+            k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, H, S, D)
+        is_causal = attn_mask is None and cache is None
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                           dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return F.dropout(self.c_proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.hidden = 4 * cfg.n_embd
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * self.hidden, bias=False)  # [gate; up]
+        self.c_proj = nn.Linear(self.hidden, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.c_fc(x).split(self.hidden, dim=-1)  # (B, T, 4C) each
+        return F.dropout(self.c_proj(F.silu(gate) * up), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, attn_mask, cache, layer) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, attn_mask, cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.positions not in ("rope", "learned"):
+            raise ValueError(f"positions = {cfg.positions!r}; allowed: rope, learned")
+        if cfg.n_embd % cfg.n_head or cfg.head_dim % 2:
+            raise ValueError(f"n_embd = {cfg.n_embd} must split into {cfg.n_head} heads of even width")
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.positions == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        if cfg.positions == "rope":
+            cos, sin = _rope_tables(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, D)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # scaled init of residual projections (GPT-2)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _attn_mask(self, attention_mask, cache: KVCache | None, T: int) -> torch.Tensor | None:
+        """Boolean (B, 1, T, S) mask: causal, no pad keys, each query always sees itself."""
+        if cache is None:
+            if attention_mask is None:
+                return None  # plain causal: SDPA's is_causal fast path
+            key_mask = attention_mask.bool()  # (B, T)
+            offset = 0
+        else:
+            key_mask = cache.key_mask[:, : cache.length + T]  # (B, S)
+            offset = cache.length
+        S = key_mask.shape[1]
+        dev = key_mask.device
+        q_pos = torch.arange(offset, offset + T, device=dev)[:, None]  # (T, 1)
+        k_pos = torch.arange(S, device=dev)[None, :]  # (1, S)
+        causal = k_pos <= q_pos  # (T, S)
+        return (causal & key_mask[:, None, None, :]) | (k_pos == q_pos)  # (B, 1, T, S)
+
+    def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits (B, T, V), or (B, 1, V) with `last_only`.
+
+        With `cache`, `idx` holds the next T tokens of every row, appended at `cache.length`;
+        `attention_mask` then covers those T tokens only (None = all real) and `position_ids`
+        must be given (the cache does not know where each row's real tokens start).
+        """
+        B, T = idx.shape
+        if cache is not None:
+            if cache.length + T > cache.max_len:
+                raise ValueError(f"KV cache full: {cache.length} + {T} > {cache.max_len}")
+            new_mask = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+            cache.key_mask[:, cache.length: cache.length + T] = new_mask
+        if position_ids is None:
+            position_ids = (positions_from_mask(attention_mask) if attention_mask is not None
+                            else torch.arange(T, device=idx.device).expand(B, T))
+        if not idx.is_cuda and int(position_ids.max()) >= self.config.block_size:  # CUDA would assert
+            raise ValueError(f"sequence longer than block_size = {self.config.block_size}")
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(position_ids)
+        else:
+            rope = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])  # (B, 1, T, D)
+        x = self.drop(x)
+        if attention_mask is not None and cache is None and bool(attention_mask.all()):
+            attention_mask = None  # no padding: use the causal fast path
+        attn_mask = self._attn_mask(attention_mask, cache, T)
+        for i, block in enumerate(self.h):
+            x = block(x, rope, attn_mask, cache, i)
+        if cache is not None:
+            cache.length += T
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        p = self.wte.weight
+        return KVCache(self.config, batch, max_len, p.device, dtype or p.dtype)
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Parameter count of a config without allocating its weights (built on the meta device)."""
+    with torch.device("meta"):
+        return GPT(cfg).num_params()
+
+
+class GPTDecoder:
+    """KV-cached incremental decoding: one prefill of the prompts, then one token per step.
+
+    Same interface as :class:`pipeline.model.hf.HFDecoder`, so the rollout engine is backend-free.
+    """
+
+    def __init__(self, model: GPT, max_len: int, dtype: torch.dtype | None = None) -> None:
+        self.model, self.max_len, self.dtype = model, max_len, dtype
+        self.cache: KVCache | None = None
+
+    def prefill(self, input_ids, attention_mask, position_ids, repeats: int) -> torch.Tensor:
+        """Prompts (B, T) once; cache rows then repeated `repeats` times; last logits (B*r, V)."""
+        B, T = input_ids.shape
+        cache = self.model.new_cache(B, self.max_len, self.dtype)
+        logits = self.model(input_ids, attention_mask, position_ids, cache=cache, last_only=True)  # (B, 1, V)
+        self.cache = cache.repeat_interleave(repeats) if repeats > 1 else cache
+        return logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (N,) at `positions` (N,); next-token logits (N, V)."""
+        logits = self.model(tokens[:, None], None, positions[:, None], cache=self.cache, last_only=True)
+        return logits[:, -1]

@@ -1,0 +1,121 @@
+"""Hugging Face backend: any ``AutoModelForCausalLM`` + ``AutoTokenizer`` behind the policy interface.
+
+``load_hf(init)`` reads a local folder or a hub id. :class:`HFTokenizer` adapts a transformers
+tokenizer to the pipeline's tokenizer interface (``encode``/``decode``/``pad_id``/``eos_id``/
+``vocab_size``/``save``/``token_id``). ``encode`` adds no special tokens (no BOS), so a prompt and
+its completion encode the same way in SFT, rollout and evaluation.
+
+:class:`HFDecoder` is the incremental-decoding state for the rollout engine: a transformers
+``DynamicCache`` filled by one prefill, repeated per group, then extended one token per step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+class HFTokenizer:
+    """The pipeline tokenizer interface over a transformers tokenizer."""
+
+    def __init__(self, tok) -> None:
+        self.hf = tok
+        if tok.eos_token_id is None:
+            raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', '')!r} has no eos token")
+        self.eos_id = int(tok.eos_token_id)
+        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.hf(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids if i != self.pad_id and i != self.eos_id]
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        """Id of `token` if it is a single token of the vocabulary, else None."""
+        i = self.hf.convert_tokens_to_ids(token)
+        if i is None or (self.hf.unk_token_id is not None and i == self.hf.unk_token_id):
+            return None
+        return int(i)
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        self.hf.save_pretrained(folder)
+        return folder
+
+    def to_str(self) -> str | None:
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else None
+
+
+def load_hf(init: str | Path) -> tuple[nn.Module, HFTokenizer]:
+    """fp32 model and tokenizer from a local folder or a hub id (compute dtype is set by autocast)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(init))
+    if tok.pad_token_id is None:  # many causal LMs ship without a pad token
+        tok.pad_token = tok.eos_token
+    return model, HFTokenizer(tok)
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """transformers 5 renamed `past_key_values` to `cache` in some versions; use what forward takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def hf_logits(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """Full-sequence logits (B, T, V) with explicit positions (padding-invariant)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.logits
+
+
+class HFDecoder:
+    """KV-cached incremental decoding of a transformers causal LM.
+
+    `mask` (N, max_len) holds the attention mask of every position written so far and is
+    sliced per step (no re-allocation); the DynamicCache grows one position per step.
+    """
+
+    def __init__(self, model: nn.Module, max_len: int) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.max_len = max_len
+        self.cache = DynamicCache(config=model.config)
+        self.key = _cache_kwarg(model)
+        self.mask: torch.Tensor | None = None
+        self.length = 0
+
+    def prefill(self, input_ids, attention_mask, position_ids, repeats: int) -> torch.Tensor:
+        """Run the prompts once, then repeat cache rows `repeats` times; last logits (B*r, V)."""
+        B, T = input_ids.shape
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self.key: self.cache})
+        if repeats > 1:
+            self.cache.batch_repeat_interleave(repeats)
+        self.mask = torch.zeros(B * repeats, self.max_len, dtype=attention_mask.dtype, device=input_ids.device)
+        self.mask[:, :T] = attention_mask.repeat_interleave(repeats, dim=0)
+        self.length = T
+        return out.logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (N,) at `positions` (N,); next-token logits (N, V)."""
+        self.mask[:, self.length] = 1
+        self.length += 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask[:, : self.length],
+                         position_ids=positions[:, None], use_cache=True, logits_to_keep=1,
+                         **{self.key: self.cache})
+        return out.logits[:, -1]

@@ -1,0 +1,187 @@
+"""The rollout engine: batched, KV-cached sampling of G completions per prompt, and log-probs.
+
+``rollout_prompts`` encodes each prompt once, left-pads the batch, runs ONE prefill of the B
+distinct prompts, repeats the cache G times (group-contiguous rows ``i*G .. i*G+G-1``), then
+decodes all N = B*G rows together, one token per step, from the cache. Stop detection is
+vectorised (a row is done after end-of-text or `</answer>`); the loop ends when every row is done
+or after `max_new_tokens`.
+
+Recorded log-probs: ``logprobs[:, t] = log_softmax(logits / temperature)[token]``, the
+FULL-vocabulary distribution at the sampling temperature, before top-k / top-p truncation (the
+same quantity :func:`compute_logprobs` gives with the same `temperature`; with temperature 1 it is
+the plain model distribution the GRPO ratio needs). Greedy decoding records it too.
+
+Layout of every (N, T) tensor, T = prompt width + generated steps:
+``[left pads | prompt | response tokens (ending with the stop token) | right pads]``;
+``logprobs[:, t]`` is log p(input_ids[:, t] | input_ids[:, :t]) on response tokens, 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.model.gpt import positions_from_mask
+from pipeline.model.policy import Policy
+
+
+@dataclass
+class Rollout:
+    input_ids: torch.Tensor
+    """(N, T) prompt (left-padded) + response (right-padded with pad_id)."""
+    attention_mask: torch.Tensor
+    """(N, T) 1 on prompt and response tokens, 0 on pads."""
+    response_mask: torch.Tensor
+    """(N, T) 1 on response tokens up to and including the stop token."""
+    logprobs: torch.Tensor
+    """(N, T) float32 sampling log-probs of the response tokens, 0 elsewhere."""
+    texts: list[str]
+    """Decoded responses (up to and including `</answer>`; no pad/eos)."""
+    response_lengths: torch.Tensor
+    """(N,) long: response tokens, stop token included."""
+    truncated: torch.Tensor
+    """(N,) bool: hit max_new_tokens without a stop token."""
+    prompt_len: int = 0
+    """Width of the (left-padded) prompt block: responses start at this column."""
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> left-padded ids (B, T) and attention mask (B, T)."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, T - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _check_args(group_size, max_new_tokens, temperature, top_p, top_k) -> None:
+    if group_size < 1:
+        raise ValueError(f"group_size = {group_size}; allowed: an integer >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}; allowed: an integer >= 1")
+    if not temperature > 0:
+        raise ValueError(f"temperature = {temperature}; allowed: a number > 0 (use greedy=True for argmax)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p = {top_p}; allowed: a number in (0, 1]")
+    if top_k < 0:
+        raise ValueError(f"top_k = {top_k}; allowed: an integer >= 0 (0 disables it)")
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                greedy: bool = False, generator: torch.Generator | None = None):
+    """Next tokens (N,) and their log-probs (N,) under the full distribution at `temperature`."""
+    scaled = logits.float() / temperature  # (N, V)
+    logp = scaled.log_softmax(-1)  # (N, V)
+    if greedy:
+        tokens = scaled.argmax(-1)
+    else:
+        filtered = scaled
+        if 0 < top_k < scaled.shape[-1]:
+            kth = scaled.topk(top_k, dim=-1).values[:, -1:]  # (N, 1)
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if top_p < 1.0:
+            sorted_logits, order = filtered.sort(dim=-1, descending=True)  # (N, V)
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p
+            filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)  # (N,)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def rollout_prompts(policy: Policy, prompts: list[str], group_size: int, max_new_tokens: int,
+                    temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                    generator: torch.Generator | None = None, *, stop_ids: list[int] | None = None,
+                    prompt_ids: list[list[int]] | None = None) -> Rollout:
+    """Sample `group_size` completions of each prompt; see the module docstring for the layout.
+
+    `generator` (on the policy's device) makes sampling reproducible. `stop_ids` overrides the
+    policy's stop tokens (`[]`: always generate `max_new_tokens`). `prompt_ids` passes prompts
+    already tokenised (then `prompts` may be None).
+    """
+    _check_args(group_size, max_new_tokens, temperature, top_p, top_k)
+    with torch.inference_mode():
+        rollout = _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, top_k, greedy,
+                           generator, stop_ids, prompt_ids)
+    # Inference tensors cannot enter autograd; training recomputes log-probs on input_ids, so hand
+    # back ordinary tensors (a copy of a few (N, T) tensors, negligible next to decoding).
+    for name in ("input_ids", "attention_mask", "response_mask", "logprobs", "response_lengths", "truncated"):
+        setattr(rollout, name, getattr(rollout, name).clone())
+    return rollout
+
+
+def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, top_k, greedy, generator,
+             stop_ids, prompt_ids) -> Rollout:
+    tok, dev, G = policy.tokenizer, policy.device, group_size
+    if prompt_ids is None:
+        prompt_ids = [tok.encode(p) for p in prompts]
+    if not prompt_ids or any(len(s) == 0 for s in prompt_ids):
+        raise ValueError("rollout_prompts: need at least one prompt, and no prompt may be empty")
+    ids, mask = left_pad(prompt_ids, tok.pad_id, dev)  # (B, Tp)
+    (B, Tp), N = ids.shape, len(prompt_ids) * G
+    limit = policy.max_len
+    if limit is not None and Tp + max_new_tokens > limit:
+        raise ValueError(f"prompt ({Tp} tokens) + max_new_tokens ({max_new_tokens}) > context length {limit}")
+    stop = torch.tensor(policy.stop_ids if stop_ids is None else stop_ids, dtype=torch.long, device=dev)
+
+    was_training = policy.module.training
+    policy.eval()
+    decoder = policy.decoder(Tp + max_new_tokens)
+    positions = positions_from_mask(mask)  # (B, Tp)
+    logits = decoder.prefill(ids, mask, positions, G)  # (N, V): one prefill per distinct prompt
+    next_pos = positions[:, -1].repeat_interleave(G) + 1  # (N,)
+
+    out_tokens = torch.full((N, max_new_tokens), tok.pad_id, dtype=torch.long, device=dev)
+    out_logp = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=dev)
+    done = torch.zeros(N, dtype=torch.bool, device=dev)  # stopped on a stop token
+    lengths = torch.zeros(N, dtype=torch.long, device=dev)
+    pad = torch.tensor(tok.pad_id, device=dev)
+    check_every = 8 if dev.type == "cuda" else 1  # `done.all()` syncs the GPU: check sparsely
+    for t in range(max_new_tokens):
+        tokens, logp = sample_next(logits, temperature, top_p, top_k, greedy, generator)  # (N,), (N,)
+        tokens = torch.where(done, pad, tokens)
+        out_tokens[:, t] = tokens
+        out_logp[:, t] = logp.masked_fill(done, 0.0)
+        lengths += (~done).long()
+        done |= torch.isin(tokens, stop)
+        if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and bool(done.all())):
+            break
+        logits = decoder.step(tokens, next_pos)  # (N, V)
+        next_pos += 1
+    policy.train(was_training)
+
+    L = t + 1
+    response_mask = (torch.arange(L, device=dev)[None, :] < lengths[:, None]).long()  # (N, L)
+    prompt_ids_t, prompt_mask = ids.repeat_interleave(G, dim=0), mask.repeat_interleave(G, dim=0)
+    resp_cpu, len_cpu = out_tokens[:, :L].cpu(), lengths.cpu()
+    texts = [tok.decode(resp_cpu[i, : len_cpu[i]].tolist()) for i in range(N)]
+    return Rollout(
+        input_ids=torch.cat([prompt_ids_t, out_tokens[:, :L]], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        response_mask=torch.cat([torch.zeros_like(prompt_mask), response_mask], dim=1),
+        logprobs=torch.cat([torch.zeros(N, Tp, device=dev), out_logp[:, :L]], dim=1),
+        texts=texts,
+        response_lengths=lengths,
+        truncated=~done,
+        prompt_len=Tp,
+    )
+
+
+def compute_logprobs(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """(N, T) log p(input_ids[:, t] | input_ids[:, :t]) at `temperature`; column 0 and pads are 0.
+
+    Differentiable when grad is enabled. Memory: the gathered log-prob is `logit - logsumexp`, so
+    no (N, T, V) log-softmax is materialised besides the fp32 logits themselves.
+    """
+    logits = policy.logits(input_ids, attention_mask)[:, :-1].float()  # (N, T-1, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    target = input_ids[:, 1:]  # (N, T-1)
+    logp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (N, T-1)
+    logp = torch.where(attention_mask[:, 1:].bool(), logp, torch.zeros_like(logp))
+    return F.pad(logp, (1, 0))  # (N, T)
