@@ -57,11 +57,19 @@ def load_rows(path: Path, limit: int = 0) -> list[dict[str, Any]]:
 
 
 def checkpoint_folder(stage: str) -> Path:
-    """checkpoints/<stage>/, or an InputError naming the folder and the stage that writes it."""
+    """checkpoints/<stage>/, verified; an InputError names the folder and the stage that writes it.
+
+    Every checkpoint is checked before any generation, so a bad last one fails in seconds, not
+    after the first ones have been evaluated.
+    """
+    from pipeline.checkpoint import is_checkpoint, verify
+
     folder = Path(CHECKPOINT_DIR) / stage
     if not (folder / "config.json").is_file():
         raise InputError(f"{folder}/: checkpoint not found; it is written by the '{stage}' stage "
                          f"(run `python -m pipeline {stage}` first, or drop it from evaluate.stages)")
+    if is_checkpoint(folder):
+        verify(folder)  # CheckpointError (an InputError) on a truncated or corrupt file
     return folder
 
 
@@ -71,23 +79,35 @@ def generate(policy, prompts: Sequence[str], *, batch_size: int, max_new_tokens:
              greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
              generator: torch.Generator | None = None,
              advance: Callable[[int], None] | None = None) -> tuple[list[str], list[int], list[bool]]:
-    """Completions for `prompts`, `batch_size` prompts per KV-cached rollout; group-contiguous."""
+    """Completions for `prompts`, `batch_size` prompts per KV-cached rollout; group-contiguous.
+
+    Prompts are taken in the given order (deterministic batches). Where a batch's longest prompt
+    plus `max_new_tokens` would overflow the model's context, that batch's budget shrinks to fit;
+    the completions that hit the smaller budget count as truncated.
+    """
     from pipeline.rollout import rollout_prompts
 
     texts: list[str] = []
     lengths: list[int] = []
     truncated: list[bool] = []
+    limit = policy.max_len
     for start in range(0, len(prompts), batch_size):
-        chunk = list(prompts[start:start + batch_size])
-        with torch.no_grad():
-            ro = rollout_prompts(policy, chunk, group_size=group_size, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_p=top_p, top_k=0, greedy=greedy,
-                                 generator=generator)
+        ids = [policy.tokenizer.encode(p) for p in prompts[start:start + batch_size]]
+        budget = max_new_tokens
+        if limit is not None:
+            longest = max(len(x) for x in ids)
+            budget = min(max_new_tokens, limit - longest)
+            if budget < 1:
+                raise InputError(f"a prompt of {longest} tokens leaves no room to answer in the model's "
+                                 f"context of {limit} tokens (prompt #{start + 1}..{start + len(ids)})")
+        ro = rollout_prompts(policy, None, group_size=group_size, max_new_tokens=budget,
+                             temperature=temperature, top_p=top_p, top_k=0, greedy=greedy,
+                             generator=generator, prompt_ids=ids)
         texts += list(ro.texts)
         lengths += [int(x) for x in ro.response_lengths.tolist()]
         truncated += [bool(x) for x in ro.truncated.tolist()]
         if advance is not None:
-            advance(len(chunk))
+            advance(len(ids))
     return texts, lengths, truncated
 
 
