@@ -64,12 +64,12 @@ def _two_step(level: int, rng: random.Random, lo: int, hi: int) -> Problem:
         outer, ans = _binary(v, "+", c)
         return Problem(level, f"({inner}) + {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans)
     if shape == 2:  # (a + b) * c, with a small enough to keep the product modest
-        a = rng.randint(1, max(1, hi // 2))
+        a = rng.randint(lo, max(lo, hi // 2))
         inner, v = _binary(a, "+", b)
         outer, ans = _binary(v, "*", c)
         return Problem(level, f"({inner}) * {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans)
     # a * b - c with 0 <= c <= a * b
-    a = rng.randint(2, 9) if hi < 100 else rng.randint(10, 99)
+    a = rng.randint(2, 9) if hi < 100 else rng.randint(lo, hi)
     inner, v = _binary(a, "*", b)
     c = rng.randint(0, v)
     outer, ans = _binary(v, "-", c)

@@ -43,7 +43,8 @@ def split_validation(rows: list[dict], val_size: int, seed: int) -> tuple[list[d
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    text = "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows)
+    # ASCII-escaped JSON: a U+2028 in a question cannot break a reader that splits on line breaks
+    text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows)
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
