@@ -339,3 +339,10 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     assert {"question", "gold", "completion", "parsed", "reward", "correct"} <= set(preds.columns)
     for name in ("accuracy.png", "training_curves.png", "accuracy.csv"):
         assert (tmp_path / "plots" / name).is_file()
+
+    # a corrupt last checkpoint fails up front, and leaves the previous outputs as they were
+    weights = next(p for p in (tmp_path / "checkpoints" / "grpo").iterdir() if p.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(InputError, match="grpo"):
+        run_evaluate(cfg)
+    assert {p: (tmp_path / p).read_bytes() for p in outputs} == snapshot
