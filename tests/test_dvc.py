@@ -1,0 +1,144 @@
+"""dvc.yaml: structure checks (fast), `dvc repro` of prepare (default suite), and the whole smoke
+pipeline under DVC: repro, no-op repro, experiments, metrics/plots diff, push/pull to a local remote
+(`slow`). Every DVC command runs in a temporary git copy of the repo with the smoke params."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import STAGES, Config
+from tests.test_flows import QUIET_ENV, REPO, copy_repo, output_files
+
+BIN = Path(sys.executable).parent
+DVC_ENV = {**os.environ, **QUIET_ENV, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+
+
+def sh(cwd: Path, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `dvc ...` (through this interpreter, so `python` in stage commands is the same env) or git."""
+    cmd = [sys.executable, "-m", "dvc", *args[1:]] if args[0] == "dvc" else list(args)
+    proc = subprocess.run(cmd, cwd=cwd, env=DVC_ENV, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def ran(proc: subprocess.CompletedProcess) -> list[str]:
+    """Stages DVC actually executed (not skipped or restored from the run cache)."""
+    return re.findall(r"Running stage '([a-z]+)'", proc.stdout + proc.stderr)
+
+
+def spec() -> dict:
+    return yaml.safe_load((REPO / "dvc.yaml").read_text())
+
+
+# --------------------------------------------------------------------------- structure (fast)
+
+def test_stages_commands_and_params_mirror_the_config():
+    stages = spec()["stages"]
+    assert list(stages) == list(STAGES)
+    sections = set(Config().to_dict())
+    for name, st in stages.items():
+        assert st["cmd"] == f"python -m pipeline {name}"
+        assert set(st["params"]) <= sections and "tracking" not in st["params"]
+    assert stages["prepare"]["params"] == ["data"]
+    for name in ("sft", "warmup", "grpo", "evaluate"):
+        assert name in stages[name]["params"] or name == "evaluate" and "evaluate" in stages[name]["params"]
+
+
+def _outs(st: dict) -> dict[str, dict]:
+    out = {}
+    for kind in ("outs", "metrics", "plots"):
+        for item in st.get(kind, []):
+            path, opts = (next(iter(item.items())) if isinstance(item, dict) else (item, {}))
+            out[path] = {"kind": kind, **(opts or {})}
+    return out
+
+
+def test_deps_exist_or_come_from_upstream_and_outs_follow_the_layout():
+    stages = spec()["stages"]
+    produced: set[str] = set()
+    for name, st in stages.items():
+        for dep in st["deps"]:
+            assert dep in produced or (REPO / dep).exists(), f"{name}: dep {dep} neither in the repo nor upstream"
+        code = [d for d in st["deps"] if d.startswith("pipeline/")]
+        assert code, f"{name} lists no code deps"
+        outs = _outs(st)
+        produced |= set(outs)
+        assert not any(".resume" in p for p in outs), "resumable state must survive `dvc repro`"
+        if name in ("sft", "warmup", "grpo"):
+            assert outs[f"checkpoints/{name}"]["kind"] == "outs"
+            assert outs[f"plots/{name}.csv"] == {"kind": "plots", "cache": False}
+    ev = _outs(stages["evaluate"])
+    assert ev["metrics/eval.json"] == {"kind": "metrics", "cache": False}
+    assert {"plots/accuracy.csv", "plots/accuracy.png", "plots/training_curves.png", "reports"} <= set(ev)
+    assert {f"data/{f}" for f in ("gsm8k_train.jsonl", "gsm8k_val.jsonl", "gsm8k_test.jsonl", "arith_train.jsonl",
+                                  "arith_eval.jsonl", "tokenizer.json", "stats.json")} == set(_outs(stages["prepare"]))
+    top = spec()["plots"]
+    training = next(p["training"] for p in top if isinstance(p, dict) and "training" in p)
+    assert training["x"] == "iteration" and set(training["y"]) == {"plots/warmup.csv", "plots/grpo.csv"}
+
+
+def test_dvc_config_has_analytics_off_and_ignores_bytecode():
+    assert "analytics = false" in (REPO / ".dvc" / "config").read_text()
+    assert "__pycache__/" in (REPO / ".dvcignore").read_text()
+
+
+def test_repro_prepare_then_nothing_to_do(tmp_path):
+    """Default suite: DVC runs the real prepare stage, records it, and a second repro is a no-op."""
+    repo = copy_repo(tmp_path / "repo")
+    first = sh(repo, "dvc", "repro", "prepare")
+    assert ran(first) == ["prepare"]
+    assert (repo / "data" / "tokenizer.json").is_file() and (repo / "dvc.lock").is_file()
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["prepare"]
+    assert set(lock["params"]["params.yaml"]) == {"data"}
+    # importing the pipeline writes bytecode next to the code deps: it must not invalidate the stage
+    subprocess.run([sys.executable, "-c", "import pipeline.stages.prepare"], cwd=repo, env=DVC_ENV, check=True)
+    second = sh(repo, "dvc", "repro", "prepare")
+    assert ran(second) == [] and "up to date" in second.stdout
+    assert "changed" not in sh(repo, "dvc", "status", "prepare").stdout
+
+
+# --------------------------------------------------------------------------- whole pipeline (slow)
+
+@pytest.mark.slow
+def test_full_pipeline_repro_experiments_diffs_and_remote(tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    first = sh(repo, "dvc", "repro")
+    assert ran(first) == list(STAGES)
+    assert sh(repo, "dvc", "repro").stdout.count("Running stage") == 0
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "baseline run")
+
+    # a grpo param: only grpo and evaluate re-run
+    exp = sh(repo, "dvc", "exp", "run", "-S", "grpo.kl_coef=0.02")
+    assert ran(exp) == ["grpo", "evaluate"]
+    show = sh(repo, "dvc", "exp", "show", "--no-pager", "--csv").stdout
+    assert "grpo.kl_coef" in show and "0.02" in show
+    metrics = sh(repo, "dvc", "metrics", "diff", "--all", "--json").stdout
+    assert "metrics/eval.json" in metrics
+    plots_dir = tmp_path / "plots_html"
+    sh(repo, "dvc", "plots", "diff", "-o", str(plots_dir))
+    assert (plots_dir / "index.html").is_file()
+
+    # a local remote: push, then pull into a second clone
+    remote = tmp_path / "remote"
+    sh(repo, "dvc", "remote", "add", "-d", "local", str(remote))
+    sh(repo, "dvc", "push")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "kl 0.02 + remote")
+    clone = tmp_path / "clone"
+    sh(tmp_path, "git", "clone", "-q", str(repo), str(clone))
+    sh(clone, "dvc", "pull")
+    assert output_files(clone) == output_files(repo)
+    assert (clone / "checkpoints" / "grpo" / "model.safetensors").is_file()
+    status = sh(clone, "dvc", "status")
+    assert "up to date" in status.stdout, status.stdout
