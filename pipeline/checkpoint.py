@@ -1,0 +1,378 @@
+"""Checkpoints: safetensors + JSON, never pickle; written atomically; verified on load.
+
+Policy folder (``save_policy`` / ``load_policy``):
+
+- gpt backend: ``model.safetensors`` (weights; the tied head is stored once), ``config.json``
+  (``{"format": "grpo-pipeline/gpt", "model": ModelConfig, "gpt": GPTConfig}``), ``tokenizer.json``;
+- hf backend: the ``save_pretrained`` files of the model and tokenizer (their own ``config.json``)
+  plus ``pipeline.json`` (``{"format": "grpo-pipeline/hf", "model": ModelConfig}``);
+- both: ``state.json`` (the caller's ``extra_state``, if any) and ``manifest.json``: byte size and
+  SHA-256 of every other file. Loading checks it, so a truncated or corrupt file is refused with a
+  :class:`~pipeline.errors.CheckpointError` naming the file.
+
+Resumable training state (``save_training_state`` / ``load_training_state``): the policy files
+above plus ``training_state.json`` (optimizer param groups, scheduler state, RNG states, extra;
+tensors replaced by references) and ``training_state.safetensors`` (the referenced tensors:
+AdamW moments, torch RNG bytes, ...). Tuples, non-string dict keys and numpy arrays are tagged in
+the JSON so the round trip is exact.
+
+Atomicity: everything is written into a hidden sibling temp folder, fsynced, then renamed into
+place. A crash leaves either the previous checkpoint or the new one; a crash between the two
+renames of a replacement leaves the old one at ``.NAME.old-*`` and no half-written ``NAME``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config import ModelConfig
+from pipeline.errors import CheckpointError
+from pipeline.model.gpt import GPT, GPTConfig
+from pipeline.model.policy import Policy, build_policy
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+HF_META = "pipeline.json"
+STATE = "state.json"
+MANIFEST = "manifest.json"
+TRAIN_JSON = "training_state.json"
+TRAIN_TENSORS = "training_state.safetensors"
+FORMAT_GPT = "grpo-pipeline/gpt"
+FORMAT_HF = "grpo-pipeline/hf"
+TIED_KEYS = ("lm_head.weight",)  # aliases of wte.weight in the GPT; stored once
+
+
+# --------------------------------------------------------------------------- atomic folders
+
+@contextlib.contextmanager
+def _atomic_folder(folder: str | Path):
+    """Yield a temp folder; on success it replaces `folder` (rename), on error it is removed."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = folder.parent / f".{folder.name}.tmp-{tag}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if folder.exists():
+            old = folder.parent / f".{folder.name}.old-{tag}"
+            os.rename(folder, old)
+            os.rename(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, folder)
+        with contextlib.suppress(OSError):  # make the renames durable
+            fd = os.open(folder.parent, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def verify(folder: str | Path) -> None:
+    """Check every file listed in the manifest: present, full size, same SHA-256."""
+    folder = Path(folder)
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{manifest}: missing; {folder} is not a complete checkpoint")
+    entries = _read_json(manifest).get("files")
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{manifest}: malformed (no 'files' mapping)")
+    for name, meta in entries.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing from the checkpoint")
+        size = path.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(f"{path}: truncated or altered ({size} bytes, expected {meta['bytes']})")
+        if _sha256(path) != meta["sha256"]:
+            raise CheckpointError(f"{path}: corrupt (SHA-256 does not match the manifest)")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing from the checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
+def is_checkpoint(folder: str | Path) -> bool:
+    """True if `folder` holds a checkpoint written by this module."""
+    return (Path(folder) / MANIFEST).is_file()
+
+
+# --------------------------------------------------------------------------- policy files
+
+def _write_policy_files(folder: Path, policy: Policy, extra_state: dict | None) -> None:
+    model_cfg = dataclasses.asdict(policy.model_cfg)
+    if policy.backend == "gpt":
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().cpu().contiguous() for k, v in policy.module.state_dict().items()
+                 if k not in TIED_KEYS}
+        save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
+        meta = {"format": FORMAT_GPT, "model": model_cfg, "gpt": dataclasses.asdict(policy.module.config)}
+        (folder / CONFIG).write_text(json.dumps(meta, indent=1))
+        policy.tokenizer.save(folder)
+    else:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        policy.module.save_pretrained(folder)
+        policy.tokenizer.save(folder)
+        (folder / HF_META).write_text(json.dumps({"format": FORMAT_HF, "model": model_cfg}, indent=1))
+    if extra_state is not None:
+        (folder / STATE).write_text(json.dumps(extra_state, indent=1))
+
+
+def save_policy(folder: str | Path, policy: Policy, extra_state: dict | None = None) -> Path:
+    """Write the policy (and `extra_state`, JSON-serialisable) to `folder`, atomically."""
+    with _atomic_folder(folder) as tmp:
+        _write_policy_files(tmp, policy, extra_state)
+        _write_manifest(tmp)
+    return Path(folder)
+
+
+def _model_config(raw: Any, path: Path) -> ModelConfig:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: 'model' must be a mapping of ModelConfig fields")
+    return ModelConfig(**{k: v for k, v in raw.items() if k in names})
+
+
+def _load_gpt_weights(module: GPT, path: Path, device) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(path, device=str(device))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: weights do not match the model config ({exc})".replace("\n", " ")) from None
+    missing = [k for k in missing if k not in TIED_KEYS]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match the model config "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def load_policy(folder: str | Path, device: str | torch.device | None = None) -> Policy:
+    """Load a policy saved by :func:`save_policy` (either backend), or a plain HF model folder.
+
+    `device` None: `auto` (CUDA if available), not the device of the machine that saved it.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: checkpoint folder not found")
+    device = device if device is not None else "auto"
+    if (folder / HF_META).is_file():
+        return _load_hf_policy(folder, device)
+    meta = _read_json(folder / CONFIG)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{folder / CONFIG}: expected a JSON object")
+    if meta.get("format") != FORMAT_GPT:
+        if "model_type" in meta:  # a plain HF save_pretrained folder
+            return _load_hf_policy(folder, device)
+        raise CheckpointError(f"{folder / CONFIG}: neither a grpo-pipeline nor a HF model config")
+    verify(folder)
+    from pipeline.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(folder)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CheckpointError(str(exc)) from None
+    model_cfg = _model_config(meta.get("model"), folder / CONFIG)
+    try:
+        gpt_cfg = GPTConfig(**meta["gpt"])
+        module = GPT(gpt_cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{folder / CONFIG}: bad 'gpt' config ({exc})") from None
+    if gpt_cfg.vocab_size != tokenizer.vocab_size:
+        raise CheckpointError(f"{folder / 'tokenizer.json'}: vocab_size {tokenizer.vocab_size} does not match "
+                              f"the model's {gpt_cfg.vocab_size}")
+    policy = Policy(module, tokenizer, model_cfg, device)
+    _load_gpt_weights(policy.module, folder / WEIGHTS, policy.device)
+    return policy
+
+
+def _load_hf_policy(folder: Path, device) -> Policy:
+    from pipeline.model.hf import load_hf
+
+    if (folder / HF_META).is_file():
+        verify(folder)
+        model_cfg = _model_config(_read_json(folder / HF_META).get("model"), folder / HF_META)
+    else:  # a plain save_pretrained folder
+        model_cfg = ModelConfig(backend="hf")
+    model_cfg = dataclasses.replace(model_cfg, backend="hf", init=str(folder))
+    try:
+        module, tokenizer = load_hf(folder)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{folder}: cannot load the HF model ({exc})".replace("\n", " ")) from None
+    return Policy(module, tokenizer, model_cfg, device)
+
+
+def load_extra_state(folder: str | Path) -> dict | None:
+    """The `extra_state` saved with a policy, or None."""
+    path = Path(folder) / STATE
+    return _read_json(path) if path.is_file() else None
+
+
+def init_policy(model_cfg: ModelConfig, tokenizer=None, device: str | torch.device | None = None) -> Policy:
+    """Start a stage's policy: load `model_cfg.init` if it is a checkpoint, else :func:`build_policy`."""
+    if model_cfg.init and is_checkpoint(model_cfg.init):
+        return load_policy(model_cfg.init, device if device is not None else model_cfg.device)
+    if model_cfg.backend == "gpt" and model_cfg.init:
+        raise CheckpointError(f"{model_cfg.init}: model.init is not a checkpoint folder (no {MANIFEST})")
+    return build_policy(model_cfg, tokenizer, device)
+
+
+# --------------------------------------------------------------------------- pickle-free state
+
+def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON-able structure with tensors/arrays moved into `tensors` and replaced by references."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        key = f"t{len(tensors)}"
+        tensors[key] = torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
+        return {"__ndarray__": key, "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, tensors) for k, v in obj.items()}
+        return {"__items__": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint (tensors, arrays, JSON types only)")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return tensors[obj["__ndarray__"]].numpy().astype(np.dtype(obj["dtype"]))
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__items__"]}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def capture_rng_state() -> dict:
+    """Python, numpy, torch CPU and (if present) CUDA RNG states."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of :func:`capture_rng_state` (missing parts are left alone)."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_training_state(folder: str | Path, policy: Policy, optimizer: torch.optim.Optimizer | None,
+                        scheduler_state: dict | None, rng_state: dict | None, extra: dict | None) -> Path:
+    """Everything needed to resume bit-exactly, in one atomically written folder."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    doc = {
+        "optimizer": _encode(optimizer.state_dict(), tensors) if optimizer is not None else None,
+        "scheduler": _encode(scheduler_state, tensors),
+        "rng": _encode(rng_state, tensors),
+        "extra": _encode(extra, tensors),
+    }
+    with _atomic_folder(folder) as tmp:
+        _write_policy_files(tmp, policy, None)
+        save_file(tensors, tmp / TRAIN_TENSORS, metadata={"format": "pt"})
+        (tmp / TRAIN_JSON).write_text(json.dumps(doc))
+        _write_manifest(tmp)
+    return Path(folder)
+
+
+def load_training_state(folder: str | Path, policy: Policy,
+                        optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Restore weights into `policy` and state into `optimizer` (in place, so wrappers such as DDP
+    stay valid); return ``{"scheduler_state", "rng_state", "extra"}`` (RNG is not applied: call
+    :func:`restore_rng_state`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    verify(folder)
+    if policy.backend == "gpt":
+        _load_gpt_weights(policy.module, folder / WEIGHTS, policy.device)
+    else:
+        loaded = _load_hf_policy(folder, "cpu")
+        policy.module.load_state_dict(loaded.module.state_dict())
+    try:
+        tensors = load_file(folder / TRAIN_TENSORS)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder / TRAIN_TENSORS}: unreadable safetensors file ({exc})") from None
+    doc = _read_json(folder / TRAIN_JSON)
+    try:
+        state = {k: _decode(doc[k], tensors) for k in ("optimizer", "scheduler", "rng", "extra")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{folder / TRAIN_JSON}: malformed training state ({exc!r})") from None
+    if optimizer is not None:
+        if state["optimizer"] is None:
+            raise CheckpointError(f"{folder / TRAIN_JSON}: no optimizer state saved")
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{folder / TRAIN_JSON}: optimizer state does not match ({exc})") from None
+    return {"scheduler_state": state["scheduler"], "rng_state": state["rng"], "extra": state["extra"]}

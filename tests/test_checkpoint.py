@@ -1,0 +1,186 @@
+"""Checkpoints: bit-exact round trips (both backends), refusal of damaged folders, atomic writes,
+pickle-free resumable training state."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import checkpoint as ckpt
+from pipeline.checkpoint import (capture_rng_state, init_policy, load_extra_state, load_policy,
+                                 load_training_state, restore_rng_state, save_policy, save_training_state)
+from pipeline.errors import CheckpointError
+from pipeline.model.policy import build_policy
+from tests.conftest import tiny_model_config
+
+
+def same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_round_trip_is_bit_exact(any_policy, tmp_path):
+    folder = save_policy(tmp_path / "ckpt", any_policy, extra_state={"iteration": 3, "metric": 0.5})
+    loaded = load_policy(folder, device="cpu")
+    assert loaded.backend == any_policy.backend and same_weights(loaded, any_policy)
+    assert loaded.tokenizer.encode("What is 7 + 8?") == any_policy.tokenizer.encode("What is 7 + 8?")
+    ids = torch.tensor([any_policy.tokenizer.encode("Question: What is 7 + 8?")])
+    with torch.no_grad():
+        assert torch.equal(loaded.logits(ids, torch.ones_like(ids)), any_policy.eval().logits(ids, torch.ones_like(ids)))
+    assert load_extra_state(folder) == {"iteration": 3, "metric": 0.5}
+
+
+def test_gpt_checkpoint_layout(gpt_policy, tmp_path):
+    folder = save_policy(tmp_path / "sft", gpt_policy)
+    names = {p.name for p in folder.iterdir()}
+    assert names == {"model.safetensors", "config.json", "tokenizer.json", "manifest.json"}
+    meta = json.loads((folder / "config.json").read_text())
+    assert meta["format"] == "grpo-pipeline/gpt" and meta["gpt"]["n_layer"] == 2
+    assert not list(tmp_path.glob(".*"))  # no temp folder left behind
+
+
+def test_truncated_weights_are_refused_naming_the_file(gpt_policy, tmp_path):
+    folder = save_policy(tmp_path / "c", gpt_policy)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
+        load_policy(folder, device="cpu")
+
+
+def test_truncated_weights_refused_by_safetensors_too(gpt_policy, tmp_path):
+    """Even with the manifest rewritten to match, a short safetensors file is refused."""
+    folder = save_policy(tmp_path / "c", gpt_policy)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    ckpt._write_manifest(folder)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        load_policy(folder, device="cpu")
+
+
+def test_corrupt_byte_is_refused(any_policy, tmp_path):
+    folder = save_policy(tmp_path / "c", any_policy)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*corrupt"):
+        load_policy(folder, device="cpu")
+
+
+def test_mismatched_config_is_refused(gpt_policy, tmp_path):
+    folder = save_policy(tmp_path / "c", gpt_policy)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["gpt"]["n_embd"] = 64
+    (folder / "config.json").write_text(json.dumps(meta))
+    ckpt._write_manifest(folder)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*do not match"):
+        load_policy(folder, device="cpu")
+
+
+def test_missing_manifest_or_folder_is_refused(gpt_policy, tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_policy(tmp_path / "nope")
+    folder = save_policy(tmp_path / "c", gpt_policy)
+    (folder / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json"):
+        load_policy(folder)
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(gpt_policy, tmp_path, monkeypatch):
+    folder = save_policy(tmp_path / "c", gpt_policy, extra_state={"v": 1})
+
+    def crash(_folder):
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(ckpt, "_write_manifest", crash)
+    with torch.no_grad():
+        next(gpt_policy.module.parameters()).add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        save_policy(folder, gpt_policy, extra_state={"v": 2})
+    monkeypatch.undo()
+    assert load_extra_state(folder) == {"v": 1}
+    assert not same_weights(load_policy(folder, device="cpu"), gpt_policy)
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # temp folder cleaned up
+    save_policy(folder, gpt_policy, extra_state={"v": 2})  # a later save replaces it
+    assert load_extra_state(folder) == {"v": 2} and same_weights(load_policy(folder, device="cpu"), gpt_policy)
+
+
+def test_init_policy_loads_a_checkpoint_or_builds(gpt_policy, tiny_tokenizer, tmp_path):
+    folder = save_policy(tmp_path / "sft", gpt_policy)
+    loaded = init_policy(tiny_model_config(init=str(folder)), tiny_tokenizer)
+    assert same_weights(loaded, gpt_policy)
+    fresh = init_policy(tiny_model_config(), tiny_tokenizer)
+    assert fresh.num_params() == gpt_policy.num_params()
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        init_policy(tiny_model_config(init=str(tmp_path)), tiny_tokenizer)
+
+
+# ----------------------------------------------------------------------- training state
+
+def train_steps(policy, opt, n: int) -> list[float]:
+    """A few AdamW steps on random batches drawn from the global torch RNG."""
+    losses = []
+    for _ in range(n):
+        ids = torch.randint(0, policy.tokenizer.vocab_size, (4, 12))
+        logits = policy.logits(ids, torch.ones_like(ids))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item() + random.random() + float(np.random.rand()))
+    return losses
+
+
+@pytest.mark.parametrize("backend", ["gpt", "hf-llama"])
+def test_resume_is_bit_exact(backend, tiny_tokenizer, hf_dirs, tmp_path):
+    def fresh():
+        torch.manual_seed(0)
+        cfg = tiny_model_config() if backend == "gpt" else tiny_model_config(backend="hf", init=hf_dirs["llama"])
+        p = build_policy(cfg, tiny_tokenizer).train()
+        return p, torch.optim.AdamW(p.parameters(), lr=1e-2, betas=(0.9, 0.95))
+
+    policy, opt = fresh()
+    random.seed(1), np.random.seed(1)
+    train_steps(policy, opt, 2)
+    save_training_state(tmp_path / "resume", policy, opt, {"step": 2, "lr": 1e-2}, capture_rng_state(),
+                        {"iteration": 2, "history": [0.5, 0.25], "by_level": {1: 0.3}})
+    expected = train_steps(policy, opt, 2)
+
+    policy2, opt2 = fresh()
+    state = load_training_state(tmp_path / "resume", policy2, opt2)
+    restore_rng_state(state["rng_state"])
+    assert state["scheduler_state"] == {"step": 2, "lr": 1e-2}
+    assert state["extra"] == {"iteration": 2, "history": [0.5, 0.25], "by_level": {1: 0.3}}
+    assert train_steps(policy2, opt2, 2) == expected
+    assert same_weights(policy2, policy)
+    assert {p.suffix for p in (tmp_path / "resume").iterdir()} <= {".json", ".safetensors", ".jinja"}
+
+
+def test_rng_state_survives_json_round_trip(tmp_path, gpt_policy):
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    save_training_state(tmp_path / "r", gpt_policy, None, None, capture_rng_state(), None)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    state = load_training_state(tmp_path / "r", gpt_policy)
+    restore_rng_state(state["rng_state"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_truncated_training_state_is_refused(gpt_policy, tmp_path):
+    opt = torch.optim.AdamW(gpt_policy.parameters())
+    train_steps(gpt_policy, opt, 1)
+    folder = save_training_state(tmp_path / "r", gpt_policy, opt, {}, {}, {})
+    path = Path(folder) / "training_state.safetensors"
+    path.write_bytes(path.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match="training_state.safetensors"):
+        load_training_state(folder, gpt_policy, opt)
+
+
+def test_unstorable_state_is_a_clear_type_error(gpt_policy, tmp_path):
+    with pytest.raises(TypeError, match="cannot store a set"):
+        save_training_state(tmp_path / "r", gpt_policy, None, None, None, {"bad": {1, 2}})
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,166 @@
+"""The rollout engine over every backend (GPT rope/learned, HF GPT-2/Llama): layout, masks,
+stop handling, log-prob agreement with compute_logprobs, padding invariance, reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.rollout import compute_logprobs, left_pad, rollout_prompts, sample_next
+
+PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: 12 - 5?", "Question: What is 99 + 1?\nAnswer: 9"]
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def reference_greedy(policy, prompt: str, n: int) -> list[int]:
+    """Plain loop: one unpadded sequence, full recomputation each step, no cache."""
+    ids = policy.tokenizer.encode(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            x = torch.tensor([ids + out])
+            out.append(int(policy.logits(x, torch.ones_like(x))[0, -1].argmax()))
+    return out
+
+
+def test_layout_and_group_contiguity(any_policy):
+    tok = any_policy.tokenizer
+    r = rollout_prompts(any_policy, PROMPTS, group_size=4, max_new_tokens=6, generator=gen(), stop_ids=[])
+    N, T = r.input_ids.shape
+    assert N == 12 and T == r.prompt_len + 6 and len(r.texts) == 12
+    for name in ("attention_mask", "response_mask", "logprobs"):
+        assert getattr(r, name).shape == (N, T)
+    ids, mask = left_pad([tok.encode(p) for p in PROMPTS], tok.pad_id)
+    assert torch.equal(r.input_ids[:, : r.prompt_len], ids.repeat_interleave(4, 0))
+    assert torch.equal(r.attention_mask[:, : r.prompt_len], mask.repeat_interleave(4, 0))
+    assert r.response_mask[:, r.prompt_len:].all() and not r.response_mask[:, : r.prompt_len].any()
+    assert r.truncated.all() and (r.response_lengths == 6).all()
+    assert (r.logprobs[:, : r.prompt_len] == 0).all() and (r.logprobs[:, r.prompt_len:] < 0).all()
+
+
+def test_greedy_matches_plain_reference_loop(any_policy):
+    r = rollout_prompts(any_policy, PROMPTS, group_size=2, max_new_tokens=8, greedy=True, stop_ids=[])
+    for i, prompt in enumerate(PROMPTS):
+        ref = reference_greedy(any_policy, prompt, 8)
+        for g in range(2):  # every member of a greedy group is the same
+            assert r.input_ids[2 * i + g, r.prompt_len:].tolist() == ref
+
+
+def test_masks_for_sequences_that_stop_early(any_policy):
+    """A third of the vocabulary stops a sequence, so rows stop at different steps."""
+    tok = any_policy.tokenizer
+    stops = list(range(0, tok.vocab_size, 3))
+    r = rollout_prompts(any_policy, PROMPTS, group_size=6, max_new_tokens=12, generator=gen(1), stop_ids=stops)
+    P = r.prompt_len
+    assert len(set(r.response_lengths.tolist())) > 1
+    for i in range(r.input_ids.shape[0]):
+        n = int(r.response_lengths[i])
+        resp, rmask = r.input_ids[i, P:], r.response_mask[i, P:]
+        assert rmask.tolist() == [1] * n + [0] * (len(rmask) - n)
+        assert torch.equal(r.attention_mask[i, P:], rmask)
+        assert (resp[n:] == tok.pad_id).all() and (r.logprobs[i, P + n:] == 0).all()
+        assert bool(r.truncated[i]) == (int(resp[n - 1]) not in stops)
+        if not r.truncated[i]:
+            assert all(int(t) not in stops for t in resp[: n - 1])
+        assert r.texts[i] == tok.decode(resp[:n].tolist())
+
+
+def test_stops_right_after_answer_close(gpt_policy):
+    """Rig the GPT so `</answer>` is always the argmax: blocks output nothing (zero projections),
+    so logits are <rmsnorm(e_last), e_j>; every embedding leans along u, `</answer>`'s is 100 u."""
+    m, close = gpt_policy.module, gpt_policy.tokenizer.token_id("</answer>")
+    with torch.no_grad():
+        for block in m.h:
+            block.attn.c_proj.weight.zero_()
+            block.mlp.c_proj.weight.zero_()
+        u = torch.zeros(m.config.n_embd)
+        u[0] = 1.0
+        m.wte.weight.mul_(0.01).add_(u)
+        m.wte.weight[close] = 100 * u
+    for greedy in (True, False):
+        r = rollout_prompts(gpt_policy, PROMPTS, group_size=2, max_new_tokens=5, greedy=greedy, generator=gen())
+        assert r.input_ids.shape[1] == r.prompt_len + 1  # the loop ended once every row stopped
+        assert (r.input_ids[:, r.prompt_len] == close).all()
+        assert (r.response_lengths == 1).all() and not r.truncated.any()
+        assert r.texts == ["</answer>"] * 6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_recomputed(any_policy, temperature):
+    r = rollout_prompts(any_policy, PROMPTS, group_size=3, max_new_tokens=10, temperature=temperature,
+                        top_k=20, generator=gen(2))
+    with torch.no_grad():
+        lp = compute_logprobs(any_policy, r.input_ids, r.attention_mask, temperature=temperature)
+    diff = ((lp - r.logprobs) * r.response_mask).abs().max()
+    assert diff < 1e-4
+
+
+def test_padding_does_not_change_logprobs(any_policy):
+    tok = any_policy.tokenizer
+    short, long = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2] + " 1 2 3 4 5")
+    assert len(long) > len(short)
+    with torch.no_grad():
+        alone = compute_logprobs(any_policy, torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long))
+        ids, mask = left_pad([short, long], tok.pad_id)
+        left = compute_logprobs(any_policy, ids, mask)[0, -len(short):]
+        pad = len(long) - len(short)
+        right_ids = torch.tensor([short + [tok.pad_id] * pad, long])
+        right_mask = torch.tensor([[1] * len(short) + [0] * pad, [1] * len(long)])
+        right = compute_logprobs(any_policy, right_ids, right_mask)
+    torch.testing.assert_close(left[1:], alone[0, 1:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(right[0, : len(short)], alone[0], atol=1e-5, rtol=0)
+    assert (right[0, len(short):] == 0).all()
+
+
+def test_same_seed_same_samples(any_policy):
+    a = rollout_prompts(any_policy, PROMPTS, 4, 8, top_p=0.9, generator=gen(7))
+    b = rollout_prompts(any_policy, PROMPTS, 4, 8, top_p=0.9, generator=gen(7))
+    c = rollout_prompts(any_policy, PROMPTS, 4, 8, top_p=0.9, generator=gen(8))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logprobs, b.logprobs) and a.texts == b.texts
+    assert not torch.equal(a.input_ids, c.input_ids)
+
+
+def test_rollout_tensors_can_enter_autograd(gpt_policy):
+    r = rollout_prompts(gpt_policy, PROMPTS[:1], 2, 4, generator=gen())
+    gpt_policy.train()
+    lp = compute_logprobs(gpt_policy, r.input_ids, r.attention_mask)
+    ((lp - r.logprobs) * r.response_mask).sum().backward()
+    assert gpt_policy.module.wte.weight.grad is not None
+    assert gpt_policy.module.training  # rollout restored the mode it found
+
+
+def test_bad_arguments_are_refused(gpt_policy):
+    for kwargs, match in [({"temperature": 0.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                          ({"top_k": -1}, "top_k"), ({"group_size": 0}, "group_size")]:
+        args = {"group_size": 2, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            rollout_prompts(gpt_policy, PROMPTS, max_new_tokens=4, **args)
+    with pytest.raises(ValueError, match="context length"):
+        rollout_prompts(gpt_policy, PROMPTS, 1, max_new_tokens=1000)
+
+
+# ----------------------------------------------------------------------- sampling filters
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), top_k=st.integers(1, 10), top_p=st.floats(0.05, 1.0))
+def test_samples_lie_in_top_k_and_nucleus(seed, top_k, top_p):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(16, 10, generator=g) * 3
+    tokens, logp = sample_next(logits, 1.0, top_p, top_k, generator=g)
+    ranks = (logits > logits.gather(1, tokens[:, None])).sum(1)  # 0 = most likely
+    assert (ranks < top_k).all()
+    probs = logits.softmax(-1)
+    mass_before = (probs * (logits > logits.gather(1, tokens[:, None]))).sum(1)
+    assert (mass_before <= top_p + 1e-6).all()  # the mass ranked above it had not reached top_p
+    torch.testing.assert_close(logp, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(8, 50)
+    tokens, _ = sample_next(logits, 1.3, top_k=1, generator=gen())
+    assert torch.equal(tokens, logits.argmax(-1))
