@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipeline.config import STAGES, Config
-from tests.test_flows import QUIET_ENV, REPO, copy_repo, output_files
+from tests.test_flows import QUIET_ENV, REPO, copy_repo, output_files, smoke_outputs
 
 BIN = Path(sys.executable).parent
 DVC_ENV = {**os.environ, **QUIET_ENV, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -114,6 +114,7 @@ def test_full_pipeline_repro_experiments_diffs_and_remote(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     first = sh(repo, "dvc", "repro")
     assert ran(first) == list(STAGES)
+    assert output_files(repo) == smoke_outputs()  # the same files in the same places as the flow run
     assert sh(repo, "dvc", "repro").stdout.count("Running stage") == 0
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "baseline run")
