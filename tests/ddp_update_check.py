@@ -1,0 +1,57 @@
+"""Helper for tests/test_train.py: one GRPO update on a fixed batch, single process or under torchrun.
+
+Usage: python tests/ddp_update_check.py OUT.safetensors           (1 process, whole batch)
+       torchrun --nproc_per_node=2 tests/ddp_update_check.py OUT    (each rank: half the groups)
+Writes the updated weights and the reduced stats (OUT with .json) from rank 0.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pipeline import distributed as du
+from pipeline.config import GRPOConfig, ModelConfig
+from pipeline.model.policy import build_policy
+from pipeline.stages.train import GRPOTrainer
+from pipeline.tokenizer import train_tokenizer
+from pipeline.training import build_optimizer
+
+
+def main(out: str) -> None:
+    rank, world = du.rank(), du.world_size()
+    tok = train_tokenizer([f"{a} + {b} = <answer>{a + b}</answer>" for a in range(30) for b in range(10)], 300)
+    torch.manual_seed(0)
+    policy = build_policy(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu"), tok)
+    if world > 1:
+        policy.runner = du.wrap_ddp(policy.module)
+    g = torch.Generator().manual_seed(1)
+    N, T = 8, 12
+    ids = torch.randint(4, tok.vocab_size, (N, T), generator=g)
+    attn = torch.ones(N, T, dtype=torch.long)
+    attn[1::2, :2] = 0                                        # left padding on odd rows
+    resp = torch.zeros(N, T, dtype=torch.long)
+    resp[:, 6:] = 1
+    resp[::3, 10:] = 0                                        # early stops -> unequal token counts
+    adv = torch.randn(N, generator=g)
+    ref_lp = -2.0 + 0.1 * torch.randn(N, T, generator=g)
+
+    tr = object.__new__(GRPOTrainer)
+    tr.policy, tr.stage, tr.it, tr.world = policy, "ddp-check", 0, world
+    tr.g = GRPOConfig(group_size=2, prompts_per_iter=4, lr=1e-2, kl_coef=0.04)
+    tr.optimizer = build_optimizer(policy.module, tr.g.lr, 0.0)
+    tr.skipped, tr.nonfinite_run, tr.resume_dir = 0, 0, Path("unused")
+    per = N // world
+    sl = slice(rank * per, (rank + 1) * per)
+    stats = tr._update(ids[sl], attn[sl], resp[sl], adv[sl], None, ref_lp[sl])
+    stats = du.mean_across_ranks(stats)
+    if rank == 0:
+        save_file({k: v.contiguous().clone() for k, v in policy.module.state_dict().items()}, out)
+        Path(out).with_suffix(".json").write_text(json.dumps(stats))
+    du.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,246 @@
+"""GRPO stages on the smoke params: finite metrics, whole-group minibatches, frozen reference,
+bit-exact kill-and-resume, DDP (gloo, 2 processes) == 1 process, non-finite steps skipped."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+
+
+def smoke_cfg(*overrides: str):
+    return load_config(ROOT / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A working directory with prepared data and a random tiny policy saved as the SFT checkpoint."""
+    from pipeline.checkpoint import save_policy
+    from pipeline.model.policy import build_policy
+    from pipeline.stages.prepare import run_prepare
+    from pipeline.tokenizer import load_tokenizer
+
+    work = tmp_path_factory.mktemp("train")
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        cfg = smoke_cfg()
+        run_prepare(cfg)
+        torch.manual_seed(0)
+        policy = build_policy(cfg.model, load_tokenizer(work / "data" / "tokenizer.json"))
+        save_policy(work / "checkpoints" / "sft", policy)
+        # a warmup checkpoint that differs from the reference: in the grpo stage the KL term then
+        # moves the weights on every step, whatever the rewards, so resume exactness is observable
+        torch.manual_seed(1)
+        save_policy(work / "checkpoints" / "warmup", build_policy(cfg.model, load_tokenizer(work / "data" / "tokenizer.json")))
+    finally:
+        os.chdir(cwd)
+    return work
+
+
+@pytest.fixture
+def workdir(prepared, tmp_path, monkeypatch):
+    """A private copy of the prepared directory as the working directory."""
+    dst = tmp_path / "w"
+    shutil.copytree(prepared, dst)
+    monkeypatch.chdir(dst)
+    return dst
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    assert files, f"no weights in {folder}"
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def _parity_reward(source):
+    """A deterministic verifier stand-in with variance for a random policy: odd-length texts score 1."""
+    return lambda text, gold: float(len(text) % 2)
+
+
+def test_warmup_runs_metrics_finite_policy_changes_reference_frozen(workdir, monkeypatch):
+    from pipeline.stages import train
+    from pipeline.stages.train import run_warmup
+
+    # a random policy never answers right: all groups are uninformative and nothing would move
+    monkeypatch.setattr(train, "reward_for", _parity_reward)
+    before = weights(workdir / "checkpoints" / "sft")
+    summary = run_warmup(smoke_cfg("warmup.iterations=3"))
+    assert summary["iterations"] == 3
+    after = weights(workdir / "checkpoints" / "warmup")
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the policy did not change"
+    # the reference (SFT checkpoint) is never written by GRPO
+    assert all(torch.equal(before[k], v) for k, v in weights(workdir / "checkpoints" / "sft").items())
+    lines = (workdir / "plots" / "warmup.csv").read_text().splitlines()
+    assert lines[0].startswith("iteration,reward,reward_std,informative,kl,clipfrac")
+    assert len(lines) == 1 + 3
+    assert summary["reward_first"] is not None and 0.0 <= summary["reward_first"] <= 1.0
+    for line in lines[1:]:
+        cells = dict(zip(lines[0].split(","), line.split(",")))
+        for k in ("reward", "informative", "kl", "loss", "grad_norm", "entropy", "lr"):
+            assert cells[k] != "" and torch.isfinite(torch.tensor(float(cells[k]))), (k, cells)
+    assert not (workdir / "checkpoints" / "warmup.resume").exists()
+
+
+def test_finished_stage_rerun_does_nothing(workdir, capsys):
+    from pipeline.stages.train import run_warmup
+
+    cfg = smoke_cfg("warmup.iterations=1")
+    run_warmup(cfg)
+    stamp = (workdir / "checkpoints" / "warmup" / "state.json").stat().st_mtime_ns
+    run_warmup(cfg)
+    assert "up to date" in capsys.readouterr().out
+    assert (workdir / "checkpoints" / "warmup" / "state.json").stat().st_mtime_ns == stamp
+
+
+def test_minibatches_hold_whole_groups(workdir, monkeypatch):
+    from pipeline.stages import train
+
+    seen = []
+    real = train.grpo_loss
+
+    def spy(new, old, ref, adv, mask, **kw):
+        seen.append(adv.detach().clone())
+        return real(new, old, ref, adv, mask, **kw)
+
+    monkeypatch.setattr(train, "grpo_loss", spy)
+    cfg = smoke_cfg("warmup.iterations=1", "warmup.prompts_per_iter=4", "warmup.minibatch_groups=1",
+                    "warmup.grpo_epochs=2")
+    train.run_warmup(cfg)
+    G = cfg.warmup.group_size
+    assert len(seen) == 2 * 4  # epochs x minibatches
+    for adv in seen:
+        assert adv.numel() == G
+        assert abs(adv.sum().item()) < 1e-4  # a whole group's centred advantages sum to zero
+
+
+def test_all_wrong_groups_give_zero_policy_gradient(workdir, monkeypatch):
+    """Every completion scores 0: advantages are 0, so with kl_coef 0 the gradient is exactly 0."""
+    from pipeline.stages import train
+
+    monkeypatch.setattr(train, "reward_for", lambda source: (lambda text, gold: 0.0))
+    grads = []
+    real_step = torch.optim.AdamW.step
+
+    def spy_step(self, *a, **k):
+        grads.append(max(p.grad.abs().max().item() for g in self.param_groups for p in g["params"]
+                         if p.grad is not None))
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
+    summary = train.run_warmup(smoke_cfg("warmup.iterations=2", "warmup.kl_coef=0"))
+    assert grads == [0.0, 0.0]
+    assert summary["reward_last"] == 0.0
+
+
+def test_forced_nan_is_skipped_and_counted_then_stops(workdir, monkeypatch):
+    from pipeline.errors import TrainingDivergedError
+    from pipeline.stages import train
+
+    real = train.grpo_loss
+    calls = {"n": 0}
+
+    def nan_first(*a, **k):
+        calls["n"] += 1
+        loss, st = real(*a, **k)
+        return (loss * float("nan") if calls["n"] == 1 else loss), st
+
+    monkeypatch.setattr(train, "grpo_loss", nan_first)
+    summary = train.run_warmup(smoke_cfg("warmup.iterations=3"))
+    assert summary["skipped_steps"] == 1
+    rows = (workdir / "plots" / "warmup.csv").read_text().splitlines()
+    assert rows[-1].split(",")[rows[0].split(",").index("skipped_steps")] == "1"
+
+    monkeypatch.setattr(train, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), {}))
+    with pytest.raises(TrainingDivergedError, match="consecutive non-finite"):
+        train.run_warmup(smoke_cfg("warmup.iterations=5", "warmup.max_nonfinite=2", "warmup.seed=1"))
+
+
+def _run_cli(stage: str, *overrides: str, cwd: Path, wait: bool = True):
+    cmd = [sys.executable, "-m", "pipeline", stage, "--params", str(ROOT / "configs" / "smoke.yaml"),
+           "--set", f"data.gsm8k_source={GSM8K}", *[x for o in overrides for x in ("--set", o)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if wait:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_kill_and_resume_is_bit_identical(workdir, tmp_path):
+    """SIGKILL mid-run, re-run: final weights equal those of an uninterrupted run, bit for bit."""
+    overrides = ("grpo.iterations=6", "grpo.save_every=2", "grpo.eval_every=0")
+    ref_dir = tmp_path / "uninterrupted"
+    shutil.copytree(workdir, ref_dir)
+    res = _run_cli("grpo", *overrides, cwd=ref_dir)
+    assert res.returncode == 0, res.stderr
+    start = weights(workdir / "checkpoints" / "warmup")
+    end = weights(ref_dir / "checkpoints" / "grpo")
+    assert any(not torch.equal(start[k], end[k]) for k in start), "weights must move for the test to mean anything"
+
+    proc = _run_cli("grpo", *overrides, cwd=workdir, wait=False)
+    resume = workdir / "checkpoints" / "grpo.resume"
+    deadline = time.time() + 240
+    while time.time() < deadline and not any(resume.glob("iter_000004")):
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before it could be killed: {proc.stdout.read()}")
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (workdir / "checkpoints" / "grpo").exists()
+    res = _run_cli("grpo", *overrides, cwd=workdir)
+    assert res.returncode == 0, res.stderr
+    assert "resuming from" in res.stdout
+    a, b = weights(ref_dir / "checkpoints" / "grpo"), weights(workdir / "checkpoints" / "grpo")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert _series(ref_dir / "plots" / "grpo.csv") == _series(workdir / "plots" / "grpo.csv")
+
+
+def _series(path: Path) -> list[dict[str, str]]:
+    """The CSV rows without the wall-clock column, which differs between any two runs."""
+    import csv
+
+    with path.open() as f:
+        return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in csv.DictReader(f)]
+
+
+def test_update_under_ddp_equals_single_process(tmp_path):
+    """2-process gloo DDP on two halves of a batch == 1 process on the whole batch (same update)."""
+    script = ROOT / "tests" / "ddp_update_check.py"
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, str(script), str(out / "single.safetensors")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), str(out / "ddp.safetensors")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    a, b = load_file(str(out / "single.safetensors")), load_file(str(out / "ddp.safetensors"))
+    # Adam's first step is ~lr * sign(grad): a gradient within fp noise of 0 can move a weight by up
+    # to lr (1e-2); allow 0.2% of lr, far below any real difference in the update
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=2e-5)
+    ma = json.loads((out / "single.json").read_text())
+    mb = json.loads((out / "ddp.json").read_text())
+    for k in ("loss", "grad_norm"):  # token-weighted exactly; per-token means (kl, clipfrac) average per rank
+        assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6), k
