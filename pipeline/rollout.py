@@ -89,8 +89,22 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
             probs = sorted_logits.softmax(-1)
             drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p
             filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)  # (N,)
+        tokens = _inverse_cdf_sample(filtered.softmax(-1), generator)  # (N,)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of (N, V) probabilities from ONE uniform per row.
+
+    `torch.multinomial` draws V exponentials per row (the exponential-race trick): 14% of a
+    decode step of a tiny Llama on CPU. The CDF is accumulated in float64 so rounding cannot
+    shift mass between tokens; `right=True` never lands on a zero-probability token.
+    """
+    cdf = probs.double().cumsum(-1)  # (N, V)
+    total = cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64) * total
+    u = torch.minimum(u, total * (1 - 1e-12))  # u < total even after rounding
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def rollout_prompts(policy: Policy, prompts: list[str], group_size: int, max_new_tokens: int,

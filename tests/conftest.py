@@ -16,6 +16,14 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    """One torch thread: the tests' tensors are tiny, and on a small shared machine intra-op
+    threads spin against other processes (a 10x slowdown under load, for no gain when idle)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def arithmetic_texts(n: int = 300, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     texts = []

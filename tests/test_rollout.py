@@ -164,3 +164,14 @@ def test_top_k_one_is_greedy():
     logits = torch.randn(8, 50)
     tokens, _ = sample_next(logits, 1.3, top_k=1, generator=gen())
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_sampling_frequencies_match_the_distribution():
+    """Inverse-CDF sampling draws each token with its probability (including under top-k)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).expand(40_000, 5)
+    tokens, _ = sample_next(logits, generator=gen(3))
+    freq = torch.bincount(tokens, minlength=5).double() / tokens.numel()
+    torch.testing.assert_close(freq, logits[0].double().softmax(-1), atol=0.01, rtol=0)
+    tokens, _ = sample_next(logits, top_k=2, generator=gen(4))
+    freq = torch.bincount(tokens, minlength=5).double() / tokens.numel()
+    torch.testing.assert_close(freq, torch.tensor([0.7311, 0.2689, 0, 0, 0], dtype=torch.double), atol=0.01, rtol=0)

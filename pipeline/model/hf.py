@@ -85,19 +85,35 @@ def hf_logits(model: nn.Module, input_ids, attention_mask, position_ids) -> torc
 class HFDecoder:
     """KV-cached incremental decoding of a transformers causal LM.
 
-    `mask` (N, max_len) holds the attention mask of every position written so far and is
-    sliced per step (no re-allocation); the DynamicCache grows one position per step.
+    Models that support it (``_can_compile_fullgraph``: Llama, Qwen, GPT-2, ...) get a
+    ``StaticCache``: keys/values preallocated for `max_len` and written in place. A
+    ``DynamicCache`` concatenates the whole cache every step, which was over half of the decode
+    time of a tiny Llama on CPU. Others fall back to ``DynamicCache``. `mask` (N, max_len) holds
+    the attention mask of every position and is sliced per step (no re-allocation).
     """
 
     def __init__(self, model: nn.Module, max_len: int) -> None:
-        from transformers import DynamicCache
+        from transformers import DynamicCache, StaticCache
 
         self.model = model
         self.max_len = max_len
-        self.cache = DynamicCache(config=model.config)
+        self.static = bool(getattr(model, "_can_compile_fullgraph", False))
+        if self.static:
+            self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        else:
+            self.cache = DynamicCache(config=model.config)
         self.key = _cache_kwarg(model)
         self.mask: torch.Tensor | None = None
         self.length = 0
+
+    def _repeat_cache(self, repeats: int) -> None:
+        if not self.static:
+            self.cache.batch_repeat_interleave(repeats)
+            return
+        for layer in self.cache.layers:  # StaticLayer has no batch_repeat_interleave
+            layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
+            layer.values = layer.values.repeat_interleave(repeats, dim=0)
+            layer.batch_size = layer.keys.shape[0]
 
     def prefill(self, input_ids, attention_mask, position_ids, repeats: int) -> torch.Tensor:
         """Run the prompts once, then repeat cache rows `repeats` times; last logits (B*r, V)."""
@@ -105,7 +121,7 @@ class HFDecoder:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self.key: self.cache})
         if repeats > 1:
-            self.cache.batch_repeat_interleave(repeats)
+            self._repeat_cache(repeats)
         self.mask = torch.zeros(B * repeats, self.max_len, dtype=attention_mask.dtype, device=input_ids.device)
         self.mask[:, :T] = attention_mask.repeat_interleave(repeats, dim=0)
         self.length = T
