@@ -376,3 +376,36 @@ def load_training_state(folder: str | Path, policy: Policy,
         except (ValueError, KeyError, RuntimeError) as exc:
             raise CheckpointError(f"{folder / TRAIN_JSON}: optimizer state does not match ({exc})") from None
     return {"scheduler_state": state["scheduler"], "rng_state": state["rng"], "extra": state["extra"]}
+
+
+# --------------------------------------------------------------------------- export
+
+def export_hf(folder: str | Path, policy: Policy) -> Path:
+    """Write a rope GPT policy as a plain transformers folder (``LlamaForCausalLM`` + a fast
+    tokenizer with pad/eos set): loadable by ``AutoModelForCausalLM.from_pretrained`` and by
+    :func:`load_policy`. HF policies are written with their own ``save_pretrained``."""
+    from transformers.utils import logging as hf_logging
+
+    from pipeline.tokenizer import EOS, PAD
+
+    hf_logging.disable_progress_bar()
+    if policy.backend != "gpt":
+        with _atomic_folder(folder) as tmp:
+            policy.module.save_pretrained(tmp)
+            policy.tokenizer.save(tmp)
+        return Path(folder)
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.model.hf import gpt_to_llama
+
+    llama = gpt_to_llama(policy.module)  # on CPU: a copy of the weights
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(policy.tokenizer.to_str()),
+                                     pad_token=PAD, eos_token=EOS)
+    llama.config.pad_token_id, llama.config.eos_token_id = policy.tokenizer.pad_id, policy.tokenizer.eos_id
+    llama.generation_config.pad_token_id = policy.tokenizer.pad_id
+    llama.generation_config.eos_token_id = policy.tokenizer.eos_id
+    with _atomic_folder(folder) as tmp:
+        llama.save_pretrained(tmp)
+        hf_tok.save_pretrained(tmp)
+    return Path(folder)

@@ -184,3 +184,29 @@ def test_unstorable_state_is_a_clear_type_error(gpt_policy, tmp_path):
     with pytest.raises(TypeError, match="cannot store a set"):
         save_training_state(tmp_path / "r", gpt_policy, None, None, None, {"bad": {1, 2}})
     assert not (tmp_path / "r").exists()
+
+
+def test_export_rope_gpt_to_transformers_llama(gpt_policy, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():  # non-trivial norm weights, so a swapped mapping would show
+        for p in gpt_policy.module.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    folder = ckpt.export_hf(tmp_path / "hf", gpt_policy)
+    llama = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids, mask = torch.tensor([[7, 8, 9, 10, 11, 12], [0, 0, 13, 14, 15, 16]]), torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        ours = gpt_policy.eval().logits(ids, mask)
+        theirs = llama(input_ids=ids, attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0) * mask).logits
+    torch.testing.assert_close(theirs[mask.bool()], ours[mask.bool()], atol=1e-4, rtol=0)
+    loaded = load_policy(folder, device="cpu")  # a plain HF folder loads as an hf policy
+    assert loaded.backend == "hf" and loaded.tokenizer.encode("1 + 2") == gpt_policy.tokenizer.encode("1 + 2")
+    assert loaded.tokenizer.token_id("</answer>") in loaded.stop_ids
+
+
+def test_learned_positions_do_not_export(tiny_tokenizer, tmp_path):
+    policy = build_policy(tiny_model_config(positions="learned"), tiny_tokenizer)
+    with pytest.raises(ValueError, match="rope"):
+        ckpt.export_hf(tmp_path / "hf", policy)

@@ -135,3 +135,42 @@ class HFDecoder:
                          position_ids=positions[:, None], use_cache=True, logits_to_keep=1,
                          **{self.key: self.cache})
         return out.logits[:, -1]
+
+
+def gpt_to_llama(gpt) -> nn.Module:
+    """The same network as a transformers ``LlamaForCausalLM`` (rope GPTs only; weights copied).
+
+    The GPT was laid out for this: RMSNorm, SwiGLU with [gate; up] fused, fused [q; k; v],
+    rotate-half rope with Llama's frequencies, no biases, tied head.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = gpt.config
+    if c.positions != "rope":
+        raise ValueError(f"only rope GPTs map onto Llama (this one has positions = {c.positions!r})")
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=4 * c.n_embd,
+                      num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
+                      max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps, hidden_act="silu",
+                      tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+    sd = gpt.state_dict()
+    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"]}
+    for i in range(c.n_layer):
+        src, dst = f"h.{i}.", f"model.layers.{i}."
+        q, k, v = sd[src + "attn.c_attn.weight"].split(c.n_embd, dim=0)
+        gate, up = sd[src + "mlp.c_fc.weight"].split(4 * c.n_embd, dim=0)
+        out.update({
+            dst + "input_layernorm.weight": sd[src + "ln_1.weight"],
+            dst + "post_attention_layernorm.weight": sd[src + "ln_2.weight"],
+            dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+            dst + "self_attn.v_proj.weight": v, dst + "self_attn.o_proj.weight": sd[src + "attn.c_proj.weight"],
+            dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+            dst + "mlp.down_proj.weight": sd[src + "mlp.c_proj.weight"],
+        })
+    model = LlamaForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict({k: v.detach().clone() for k, v in out.items()}, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens
+    if missing or unexpected:
+        raise RuntimeError(f"GPT -> Llama mapping is incomplete: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval()
