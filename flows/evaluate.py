@@ -16,7 +16,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.grpo_pipeline import publish_eval
+from flows.grpo_pipeline import local_api, publish_eval
 from pipeline.config import ConfigError, load_config
 from pipeline.errors import InputError
 from tasks.stages import evaluate
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)
     try:
-        result = evaluate_checkpoints(args.checkpoints or None, args.params, args.overrides)
+        with local_api():
+            result = evaluate_checkpoints(args.checkpoints or None, args.params, args.overrides)
     except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

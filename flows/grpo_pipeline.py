@@ -15,8 +15,10 @@ Serve it on a schedule: ``python -m flows.serve`` (see flows/serve.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,18 @@ def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None 
     return results
 
 
+@contextlib.contextmanager
+def local_api() -> Iterator[None]:
+    """Without PREFECT_API_URL, Prefect starts a temporary local API; give it time on a busy machine."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    if PREFECT_API_URL.value() or PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value() >= 120:
+        yield
+        return
+    with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 120}):
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.grpo_pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
@@ -85,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        results = grpo_pipeline(args.params, args.overrides)
+        with local_api():
+            results = grpo_pipeline(args.params, args.overrides)
     except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

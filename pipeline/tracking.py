@@ -92,7 +92,7 @@ def end_pipeline_run(cfg: Config, run_id: str | None, status: str = "FINISHED") 
     _end(cfg, run_id, status)
 
 
-def compare_runs(cfg: Config, max_runs: int = 10) -> str:
+def compare_runs(cfg: Config, max_runs: int = 10, all_metrics: bool = False) -> str:
     """The experiment's pipeline runs side by side (params that differ, final metrics per stage).
 
     The CLI counterpart of MLflow's compare view: ``python -m pipeline compare``. Works with
@@ -100,4 +100,4 @@ def compare_runs(cfg: Config, max_runs: int = 10) -> str:
     """
     from pipeline.tracking_mlflow import compare_text
 
-    return compare_text(cfg, max_runs)
+    return compare_text(cfg, max_runs, all_metrics)

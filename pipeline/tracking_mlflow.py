@@ -339,15 +339,22 @@ def mlflow_stage_logger(cfg: Config, stage: str) -> Iterator[MlflowLogger]:
 
 # --------------------------------------------------------------------------- comparison
 
+KEY_METRIC_WORDS = ("reward", "kl", "informative", "accuracy", "loss", "format_rate", "pass@", "maj@")
 DEFAULT_KEY_PARAMS = ("model.backend", "model.n_embd", "sft.steps", "warmup.iterations", "grpo.iterations",
                       "grpo.kl_coef", "grpo.lr", "grpo.group_size", "grpo.loss_agg", "grpo.adv_norm")
 
 
-def runs_table(cfg: Config, max_runs: int = 10):
+def _key_metric(name: str) -> bool:
+    metric = name.split(":", 1)[-1].rsplit("/", 1)[-1]
+    return any(w in metric for w in KEY_METRIC_WORDS) and not metric.endswith("_std")
+
+
+def runs_table(cfg: Config, max_runs: int = 10, all_metrics: bool = False):
     """DataFrame, one column per pipeline run (newest first): params that differ, final metrics.
 
     Rows are ``param:<section.key>`` and ``<stage>:<metric>`` (the last logged value of each
-    metric of each stage run), like MLflow's compare view.
+    metric of each stage run), like MLflow's compare view; only the headline metrics (reward, kl,
+    informative, accuracy, loss, format rate, pass@k/maj@k) unless ``all_metrics``.
     """
     import pandas as pd
 
@@ -369,7 +376,8 @@ def runs_table(cfg: Config, max_runs: int = 10):
         for child in children:  # later executions of a stage (resumes) overwrite earlier ones
             stage = child.data.tags.get("grpo.stage", child.info.run_name)
             for key, value in child.data.metrics.items():
-                col[f"{stage}:{key}"] = value
+                if all_metrics or _key_metric(key):
+                    col[f"{stage}:{key}"] = value
         columns[col_name] = col
     if not columns:
         return pd.DataFrame()
@@ -385,15 +393,15 @@ def runs_table(cfg: Config, max_runs: int = 10):
     return df.reindex(order)
 
 
-def compare_text(cfg: Config, max_runs: int = 10) -> str:
+def compare_text(cfg: Config, max_runs: int = 10, all_metrics: bool = False) -> str:
     import pandas as pd
 
-    df = runs_table(cfg, max_runs)
+    df = runs_table(cfg, max_runs, all_metrics)
     uri = tracking_uri(cfg)
     if df.empty:
         return f"no pipeline runs in experiment {cfg.tracking.experiment!r} at {uri}"
     with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200,
                            "display.max_colwidth", 40, "display.float_format", "{:.4g}".format):
         return (f"experiment {cfg.tracking.experiment!r} at {uri}: {df.shape[1]} pipeline run(s), "
-                f"newest first\n{df.to_string()}")
+                f"newest first\n{df.to_string(na_rep='-')}")
 
