@@ -216,6 +216,8 @@ class GPT(nn.Module):
             offset = 0
         else:
             key_mask = cache.key_mask[:, : cache.length + T]  # (B, S)
+            if T == 1:  # one new token sees every real key written so far, itself included
+                return key_mask[:, None, None, :]  # (B, 1, 1, S)
             offset = cache.length
         S = key_mask.shape[1]
         dev = key_mask.device
