@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.model.gpt import GPT, GPTConfig, count_params, positions_from_mask
+from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, count_params, positions_from_mask
 from pipeline.model.policy import build_policy, resolve_autocast, resolve_device
 from tests.conftest import tiny_model_config
 
@@ -116,6 +116,26 @@ def test_policy_decoder_matches_full_forward(any_policy):
         for t in range(2):
             steps.append(dec.step(nxt[:, t], pos[:, -1] + 1 + t))
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:8], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_shared_prefix_decoding_equals_full_forward(positions):
+    """G rows reading one copy of their (left-padded) prompt's keys, each with its own continuation."""
+    model, G = tiny_gpt(positions), 3
+    ids = torch.randint(2, 64, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    nxt = torch.randint(2, 64, (2 * G, 4))  # a different continuation per row
+    with torch.no_grad():
+        full = model(torch.cat([ids.repeat_interleave(G, 0), nxt], 1),
+                     torch.cat([mask.repeat_interleave(G, 0), torch.ones_like(nxt)], 1))  # (N, 10, V)
+        dec = GPTDecoder(model, 10)
+        pos = positions_from_mask(mask)
+        steps = [dec.prefill(ids, mask, pos, G)]
+        assert dec.cache.prefix is not None and dec.cache.k.shape[1] == 2 * G
+        next_pos = pos[:, -1].repeat_interleave(G) + 1
+        for t in range(3):
+            steps.append(dec.step(nxt[:, t], next_pos + t))
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:9], atol=1e-5, rtol=0)
 
 
 def test_policy_interface(gpt_policy):

@@ -12,7 +12,8 @@ Pad queries attend to themselves only, which keeps them finite; their outputs ar
 
 Incremental decoding: a :class:`KVCache` preallocates keys/values for ``max_len`` positions; a
 forward with ``cache=`` writes its keys/values at ``cache.length`` and attends over everything
-written so far, so a new token costs one position, not the whole prefix.
+written so far, so a new token costs one position, not the whole prefix. For G samples per
+prompt the G rows share one copy of the prompt's keys (:func:`shared_prefix_attention`).
 
 The seed's size (24 layers, 1024 wide, 16 heads, context 1024, vocab 2048) is ~405.8M parameters
 with learned positions and ~404.8M with rope: 16 * n_embd^2 per block (4 attention + 12 SwiGLU).
@@ -71,6 +72,10 @@ class KVCache:
 
     `k`, `v`: (n_layer, B, n_head, max_len, head_dim); `key_mask`: (B, max_len) bool, True where
     a real token was written; `length`: positions written so far (the same for every row).
+
+    Shared prefix (`prefix`, `group`): row i of this cache continues row i // group of `prefix`,
+    a filled cache of the B distinct prompts. The G samples of a prompt then read its keys once
+    per step instead of G copies: prompt keys are most of the attention reads in GRPO rollouts.
     """
 
     def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device, dtype) -> None:
@@ -79,6 +84,8 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.key_mask = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
         self.length = 0
+        self.prefix: KVCache | None = None
+        self.group = 1
 
     @property
     def max_len(self) -> int:
@@ -90,7 +97,14 @@ class KVCache:
         out.k = self.k.repeat_interleave(repeats, dim=1)
         out.v = self.v.repeat_interleave(repeats, dim=1)
         out.key_mask = self.key_mask.repeat_interleave(repeats, dim=0)
-        out.length = self.length
+        out.length, out.prefix, out.group = self.length, None, 1
+        return out
+
+    def share_prefix(self, cfg: GPTConfig, repeats: int, max_new: int) -> KVCache:
+        """A cache of B*repeats rows for `max_new` more positions that reads this one as prefix."""
+        L, B, H, _, D = self.k.shape
+        out = KVCache(cfg, B * repeats, max_new, self.k.device, self.k.dtype)
+        out.prefix, out.group = self, repeats
         return out
 
 
@@ -140,11 +154,35 @@ class CausalSelfAttention(nn.Module):
             cache.k[layer, :, :, start:end] = k
             cache.v[layer, :, :, start:end] = v
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, H, S, D)
-        is_causal = attn_mask is None and cache is None
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, D)
+        if cache is not None and cache.prefix is not None:
+            y = shared_prefix_attention(q, k, v, cache, layer)  # (B, H, 1, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                               is_causal=attn_mask is None and cache is None,
+                                               dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return F.dropout(self.c_proj(y), self.dropout, self.training)
+
+
+def shared_prefix_attention(q, k, v, cache: KVCache, layer: int) -> torch.Tensor:
+    """One decode step of N = B*G rows: attention over the B shared prompt prefixes plus each
+    row's own keys, one softmax over both. q: (N, H, 1, D); k, v: (N, H, t, D) -> (N, H, 1, D)."""
+    P, G = cache.prefix, cache.group
+    N, H, T, D = q.shape
+    if T != 1:
+        raise ValueError("a shared-prefix cache decodes one token per step")
+    B, Tp = N // G, P.length
+    kp, vp = P.k[layer, :, :, :Tp], P.v[layer, :, :, :Tp]  # (B, H, Tp, D)
+    qg = q.view(B, G, H, D).transpose(1, 2)  # (B, H, G, D): a group's queries side by side
+    sp = (qg @ kp.transpose(-1, -2)).float()  # (B, H, G, Tp)
+    sp = sp.masked_fill(~P.key_mask[:, None, None, :Tp], float("-inf"))
+    sp = sp.transpose(1, 2).reshape(N, H, 1, Tp)  # (N, H, 1, Tp)
+    sr = (q @ k.transpose(-1, -2)).float()  # (N, H, 1, t)
+    sr = sr.masked_fill(~cache.key_mask[:, None, None, : k.shape[2]], float("-inf"))
+    att = (torch.cat([sp, sr], dim=-1) * D ** -0.5).softmax(-1).to(v.dtype)  # (N, H, 1, Tp + t)
+    ap, ar = att.split([Tp, k.shape[2]], dim=-1)
+    yp = ap.reshape(B, G, H, Tp).transpose(1, 2) @ vp  # (B, H, G, D)
+    return yp.transpose(1, 2).reshape(N, H, 1, D) + ar @ v  # (N, H, 1, D)
 
 
 class MLP(nn.Module):
@@ -286,11 +324,15 @@ class GPTDecoder:
         self.cache: KVCache | None = None
 
     def prefill(self, input_ids, attention_mask, position_ids, repeats: int) -> torch.Tensor:
-        """Prompts (B, T) once; cache rows then repeated `repeats` times; last logits (B*r, V)."""
+        """Prompts (B, T) once; the `repeats` rows of a group then share that prompt's cache (read,
+        not copied: see :func:`shared_prefix_attention`); last logits (B*r, V)."""
         B, T = input_ids.shape
-        cache = self.model.new_cache(B, self.max_len, self.dtype)
-        logits = self.model(input_ids, attention_mask, position_ids, cache=cache, last_only=True)  # (B, 1, V)
-        self.cache = cache.repeat_interleave(repeats) if repeats > 1 else cache
+        if repeats == 1:
+            self.cache = self.model.new_cache(B, self.max_len, self.dtype)
+            return self.model(input_ids, attention_mask, position_ids, cache=self.cache, last_only=True)[:, -1]
+        prompts = self.model.new_cache(B, T, self.dtype)
+        logits = self.model(input_ids, attention_mask, position_ids, cache=prompts, last_only=True)  # (B, 1, V)
+        self.cache = prompts.share_prefix(self.model.config, repeats, self.max_len - T)
         return logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
