@@ -1,0 +1,269 @@
+"""sft: supervised warm start on the arithmetic curriculum and GSM8K worked solutions.
+
+Each step draws `round(sft.batch_size * sft.arith_fraction)` sequences from the arithmetic stream
+and the rest from GSM8K train (each source in seeded, reshuffled epochs). A sequence is
+`prompt ids + response ids + eos`, with prompt and response tokenized separately exactly as a rollout
+sees them (`pipeline.data.prompts.response_text`); sequences longer than `sft.max_len` are dropped.
+The loss is the token-mean cross-entropy over response tokens only (prompt and padding masked).
+AdamW (`pipeline.training.param_groups`), linear warmup then cosine decay to 10% of `sft.lr`,
+global grad-norm clipping.
+
+Every `sft.eval_every` steps and at the end: validation loss on all of `gsm8k_val` and greedy
+accuracy on the first `sft.eval_samples` held-out arithmetic problems (scored with the RLVR
+verifier's answer matching). Writes `checkpoints/sft/` (atomic, `save_policy`) and `plots/sft.csv`
+(step, loss, val_loss, arith_accuracy); metrics `sft/loss`, `sft/lr`, `sft/val_loss`,
+`sft/arith_accuracy` go to the stage logger.
+
+Skip: when `model.init` is set (a checkpoint folder of this pipeline, or a HF model id/folder with
+backend `hf`) the stage does not train: it loads that model on the CPU and saves it unchanged as
+`checkpoints/sft/` (so warmup/GRPO start from it and use it as the KL reference), and writes a
+header-only `plots/sft.csv`. To fine-tune a pretrained model with GRPO, set `model.init`; SFT of an
+`init` model is deliberately not done here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.checkpoint import init_policy, save_policy
+from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config
+from pipeline.data.prompts import response_text
+from pipeline.errors import InputError
+from pipeline.evaluation import write_bytes_atomic
+from pipeline.model.policy import build_policy
+from pipeline.rewards.parsing import extract_answer
+from pipeline.rewards.verifiers import answers_match
+from pipeline.rollout import rollout_prompts
+from pipeline.stages.prepare import read_jsonl_rows
+from pipeline.tokenizer import load_tokenizer
+from pipeline.tracking import stage_logger
+from pipeline.training import build_optimizer, lr_at, seed_everything, set_lr
+
+log = logging.getLogger(__name__)
+
+CSV_COLUMNS = ("step", "loss", "val_loss", "arith_accuracy")
+EVAL_BATCH = 64  # prompts per greedy generation batch / sequences per validation-loss batch
+
+Example = tuple[list[int], int]  # (prompt + response + eos token ids, number of prompt tokens)
+
+
+# --------------------------------------------------------------------------- data
+
+def encode_examples(tok, rows: Sequence[dict[str, Any]], max_len: int) -> tuple[list[Example], int]:
+    """(examples, dropped): prompt and response encoded separately, eos appended, > max_len dropped."""
+    prompts = tok.encode_batch([r["prompt"] for r in rows])
+    responses = tok.encode_batch([response_text(r["solution"]) for r in rows])
+    examples = [(p + r + [tok.eos_id], len(p)) for p, r in zip(prompts, responses)]
+    kept = [e for e in examples if len(e[0]) <= max_len]
+    return kept, len(examples) - len(kept)
+
+
+def collate(examples: Sequence[Example], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Right-padded (B, T) input_ids, attention_mask and target_mask (1 on response tokens, eos included)."""
+    T = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), T), dtype=torch.long)
+    target = torch.zeros((len(examples), T), dtype=torch.long)
+    for i, (seq, n_prompt) in enumerate(examples):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attn[i, : len(seq)] = 1
+        target[i, n_prompt: len(seq)] = 1
+    return ids.to(device), attn.to(device), target.to(device)
+
+
+def response_nll(policy, ids: torch.Tensor, attn: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(summed NLL of the response tokens, their count); position t predicts ids[:, t] from ids[:, :t]."""
+    logits = policy.logits(ids, attn)[:, :-1].float()  # (B, T-1, V)
+    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+    mask = target[:, 1:].to(nll.dtype)  # (B, T-1)
+    return (nll * mask).sum(), int(mask.sum())
+
+
+class MixedBatches:
+    """Seeded batches mixing two sources in a fixed ratio; each source is read in reshuffled epochs."""
+
+    def __init__(self, arith: list[Example], gsm: list[Example], batch_size: int, arith_fraction: float,
+                 seed: int) -> None:
+        n_arith = round(batch_size * arith_fraction)
+        if not arith:
+            n_arith = 0
+        elif not gsm:
+            n_arith = batch_size
+        if not arith and not gsm:
+            raise InputError("sft: no training sequences left (all longer than sft.max_len?)")
+        self.parts = [(arith, n_arith), (gsm, batch_size - n_arith)]
+        self.rng = random.Random(f"sft-batches-{seed}")
+        self.orders: list[list[int]] = [[], []]
+
+    def _take(self, k: int, n: int) -> list[Example]:
+        source, order = self.parts[k][0], self.orders[k]
+        out = []
+        while len(out) < n:
+            if not order:
+                order.extend(range(len(source)))
+                self.rng.shuffle(order)
+            out.append(source[order.pop()])
+        return out
+
+    def next(self) -> list[list[Example]]:
+        """One batch as its non-empty per-source parts (padded separately: arithmetic is short)."""
+        return [part for k, (_, n) in enumerate(self.parts) if (part := self._take(k, n))]
+
+
+# --------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def validation_loss(policy, examples: Sequence[Example], pad_id: int) -> float | None:
+    """Token-mean response NLL over all `examples` (eval mode, no grad)."""
+    if not examples:
+        return None
+    was_training = policy.module.training
+    policy.eval()
+    total, count = 0.0, 0
+    ordered = sorted(examples, key=lambda e: len(e[0]))  # similar lengths together: less padding
+    for s in range(0, len(ordered), EVAL_BATCH):
+        nll, n = response_nll(policy, *collate(ordered[s:s + EVAL_BATCH], pad_id, policy.device))
+        total, count = total + float(nll), count + n
+    policy.train(was_training)
+    return total / max(count, 1)
+
+
+def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> float | None:
+    """Fraction of `rows` whose greedy completion's `<answer>` matches the gold number."""
+    if not rows:
+        return None
+    correct = 0
+    for s in range(0, len(rows), EVAL_BATCH):
+        batch = rows[s:s + EVAL_BATCH]
+        ro = rollout_prompts(policy, [r["prompt"] for r in batch], 1, max_new_tokens, greedy=True)
+        correct += sum(answers_match(extract_answer(t), r["gold"]) for t, r in zip(ro.texts, batch))
+    return correct / len(rows)
+
+
+def write_series(path: Path, series: dict[int, dict[str, float | None]]) -> Path:
+    def cell(v: float | None) -> str:
+        return "" if v is None else f"{v:.6g}"
+
+    lines = [",".join(CSV_COLUMNS)]
+    lines += [",".join([str(step)] + [cell(series[step].get(c)) for c in CSV_COLUMNS[1:]]) for step in sorted(series)]
+    return write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
+
+
+# --------------------------------------------------------------------------- stage
+
+def _copy_init(cfg: Config, out: Path, csv_path: Path) -> dict[str, Any]:
+    """`model.init` set: save that model unchanged as the SFT checkpoint (see module docstring)."""
+    tok = None
+    if cfg.model.backend == "gpt":
+        tok_path = Path(DATA_DIR) / "tokenizer.json"
+        tok = load_tokenizer(tok_path) if tok_path.is_file() else None
+    policy = init_policy(cfg.model, tok, device="cpu")
+    save_policy(out, policy, extra_state={"stage": "sft", "skipped": True, "init": cfg.model.init})
+    write_series(csv_path, {})
+    log.info("sft skipped: model.init = %s saved as %s", cfg.model.init, out)
+    return {"checkpoint": str(out), "skipped": True, "init": cfg.model.init, "plots": str(csv_path)}
+
+
+def _load_tokenizer() -> Any:
+    path = Path(DATA_DIR) / "tokenizer.json"
+    try:
+        return load_tokenizer(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise InputError(str(exc)) from None
+
+
+def _progress(total: int):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    return Progress(TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                    TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+
+
+def run_sft(cfg: Config) -> dict[str, Any]:
+    s, data = cfg.sft, Path(DATA_DIR)
+    out, csv_path = Path(CHECKPOINT_DIR) / "sft", Path(PLOTS_DIR) / "sft.csv"
+    if cfg.model.init:
+        return _copy_init(cfg, out, csv_path)
+
+    started = time.monotonic()
+    seed_everything(s.seed)
+    tok = _load_tokenizer()
+    arith, dropped_a = encode_examples(tok, read_jsonl_rows(data / "arith_train.jsonl"), s.max_len)
+    gsm, dropped_g = encode_examples(tok, read_jsonl_rows(data / "gsm8k_train.jsonl"), s.max_len)
+    val, _ = encode_examples(tok, read_jsonl_rows(data / "gsm8k_val.jsonl"), cfg.model.block_size)
+    eval_rows = read_jsonl_rows(data / "arith_eval.jsonl")[: s.eval_samples]
+    if s.arith_fraction == 0:
+        arith = []
+    if s.arith_fraction == 1:
+        gsm = []
+    batches = MixedBatches(arith, gsm, s.batch_size, s.arith_fraction, s.seed)
+    # Room for the longest held-out response plus slack; generation also stops at `</answer>`.
+    eval_prompt = max((len(p) for p in tok.encode_batch([r["prompt"] for r in eval_rows])), default=0)
+    eval_resp = max((len(r) for r in tok.encode_batch([response_text(r["solution"]) for r in eval_rows])), default=0)
+    max_new = max(1, min(eval_resp + 8, cfg.model.block_size - eval_prompt))
+
+    policy = build_policy(cfg.model, tok)
+    optimizer = build_optimizer(policy.module, s.lr, s.weight_decay)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    series: dict[int, dict[str, float | None]] = {}
+    window: list[float] = []
+    final: dict[str, float | None] = {"val_loss": None, "arith_accuracy": None}
+
+    with stage_logger(cfg, "sft") as tracker, _progress(s.steps) as bar:
+        tracker.log_params({"sft/num_params": policy.num_params(), "sft/dropped_long": dropped_a + dropped_g})
+        task = bar.add_task("", total=s.steps)
+        policy.train()
+        for step in range(1, s.steps + 1):
+            lr = lr_at(step - 1, s.steps, s.lr, s.warmup_steps, "cosine")
+            set_lr(optimizer, lr)
+            parts = batches.next()
+            n_tokens = sum(len(ids) - n_prompt for part in parts for ids, n_prompt in part)
+            optimizer.zero_grad(set_to_none=True)
+            loss = 0.0
+            for part in parts:  # token-mean over the whole batch, one forward/backward per source
+                nll, _ = response_nll(policy, *collate(part, tok.pad_id, policy.device))
+                part_loss = nll / n_tokens
+                part_loss.backward()
+                loss += float(part_loss.detach())
+            torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            optimizer.step()
+            window.append(loss)
+            if not math.isfinite(window[-1]):
+                raise FloatingPointError(f"sft: non-finite loss at step {step}; lower sft.lr")
+            bar.update(task, advance=1, description=f"loss {window[-1]:.3f}")
+
+            if step % s.log_every == 0 or step == s.steps:
+                mean_loss = sum(window) / len(window)
+                window.clear()
+                series.setdefault(step, {})["loss"] = mean_loss
+                tracker.log_metrics({"sft/loss": mean_loss, "sft/lr": lr}, step=step)
+                log.info("sft step %d/%d loss %.4f lr %.2e", step, s.steps, mean_loss, lr)
+            if (s.eval_every and step % s.eval_every == 0) or step == s.steps:
+                final = {"val_loss": validation_loss(policy, val, tok.pad_id),
+                         "arith_accuracy": greedy_accuracy(policy, eval_rows, max_new)}
+                series.setdefault(step, {}).update(final)
+                tracker.log_metrics({f"sft/{k}": v for k, v in final.items() if v is not None}, step=step)
+                log.info("sft step %d val_loss %s arith_accuracy %s", step, final["val_loss"], final["arith_accuracy"])
+                write_series(csv_path, series)
+        if s.steps == 0:  # nothing trained: still report the initial model
+            final = {"val_loss": validation_loss(policy, val, tok.pad_id),
+                     "arith_accuracy": greedy_accuracy(policy, eval_rows, max_new)}
+            series[0] = dict(final)
+        wall = time.monotonic() - started
+        save_policy(out, policy, extra_state={"stage": "sft", "step": s.steps, "seed": s.seed, **final})
+        write_series(csv_path, series)
+        tracker.log_metrics({"sft/wall_s": wall}, step=s.steps)
+        tracker.log_artifact(csv_path)
+    return {"checkpoint": str(out), "plots": str(csv_path), "steps": s.steps, "num_params": policy.num_params(),
+            "dropped_long": dropped_a + dropped_g, **final, "wall_s": round(wall, 1)}

@@ -1,0 +1,218 @@
+"""SFT stage and the shared training helpers: LR schedule, AdamW groups, batching and loss masking,
+a tiny SFT run whose loss falls (deterministically), and the `model.init` skip path."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.config import load_config
+from pipeline.errors import InputError
+from pipeline.stages import sft
+from pipeline.training import build_optimizer, lr_at, param_groups
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+needs_shared = pytest.mark.skipif(not SHARED_GSM8K.is_dir(), reason="needs ../shared/data/gsm8k next to the repo")
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
+    spin-waiting makes them several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# --------------------------------------------------------------------------- schedule and optimiser
+
+
+def test_lr_schedule_hand_checked():
+    lrs = [lr_at(s, 10, 1.0, warmup_steps=2) for s in range(12)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]  # linear warmup, then the peak at the first cosine step
+    assert lrs[9] == pytest.approx(0.1) and lrs[10:] == [pytest.approx(0.1)] * 2  # min at the last step
+    assert lrs[5] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 7)))
+    assert [lr_at(s, 10, 2.0, 3, "constant") for s in (0, 2, 3, 9, 50)] == [2 / 3, 2.0, 2.0, 2.0, 2.0]
+    assert lr_at(0, 1, 1.0) == pytest.approx(0.1)  # a one-step run ends at the floor, no division by zero
+    with pytest.raises(ValueError, match="allowed: cosine, constant"):
+        lr_at(0, 10, 1.0, schedule="linear")
+
+
+@settings(max_examples=30, deadline=None)
+@given(total=st.integers(1, 200), warmup=st.integers(0, 30), peak=st.floats(1e-6, 1.0))
+def test_lr_schedule_properties(total, warmup, peak):
+    lrs = [lr_at(s, total, peak, warmup) for s in range(total + 5)]
+    assert all(0 < lr <= peak * (1 + 1e-9) for lr in lrs)
+    assert all(a < b for a, b in zip(lrs[:warmup], lrs[1:warmup]))  # warmup rises linearly
+    after = lrs[warmup:]
+    assert all(lr >= 0.1 * peak * (1 - 1e-9) for lr in after)
+    assert all(a >= b - 1e-12 for a, b in zip(after, after[1:]))  # never rises after warmup
+
+
+def test_param_groups_decay_only_matrices(gpt_policy):
+    module = gpt_policy.module
+    groups = param_groups(module, 0.1)
+    decay, no_decay = ({id(p) for p in g["params"]} for g in groups)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    names = {id(p): n for n, p in module.named_parameters()}
+    assert decay.isdisjoint(no_decay) and decay | no_decay == set(names)  # every parameter once (tied: once)
+    for pid in no_decay:  # norms, biases, embeddings
+        assert module.get_parameter(names[pid]).ndim < 2 or "wte" in names[pid] or "wpe" in names[pid]
+    assert all(module.get_parameter(names[pid]).ndim == 2 for pid in decay) and decay
+    embedding = next(m for m in module.modules() if isinstance(m, torch.nn.Embedding))
+    assert id(embedding.weight) in no_decay
+    opt = build_optimizer(module, 1e-3, 0.1)
+    assert isinstance(opt, torch.optim.AdamW) and len(opt.param_groups) == 2
+
+
+# --------------------------------------------------------------------------- batching and the loss
+
+def test_collate_masks_exactly_the_response():
+    ids, attn, target = sft.collate([([5, 6, 7, 8, 1], 3), ([5, 9, 1], 1)], pad_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7, 8, 1], [5, 9, 1, 0, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert target.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 0, 0]]
+
+
+def test_response_nll_ignores_prompt_and_padding(gpt_policy):
+    torch.manual_seed(0)
+    V = gpt_policy.tokenizer.vocab_size
+    a = (torch.randint(4, V, (9,)).tolist(), 5)
+    b = (torch.randint(4, V, (4,)).tolist(), 2)
+    gpt_policy.eval()
+    torch.set_grad_enabled(False)
+    nll, n = sft.response_nll(gpt_policy, *sft.collate([a, b], 0, gpt_policy.device))
+    assert n == (9 - 5) + (4 - 2)
+    expected = 0.0
+    for seq, n_prompt in (a, b):  # reference: one unpadded sequence at a time
+        x = torch.tensor([seq])
+        logp = gpt_policy.logits(x, torch.ones_like(x))[0].float().log_softmax(-1)
+        expected -= sum(float(logp[t - 1, seq[t]]) for t in range(n_prompt, len(seq)))
+    torch.set_grad_enabled(True)
+    assert float(nll) == pytest.approx(expected, rel=1e-5)
+
+
+def test_mixed_batches_ratio_epochs_and_seed():
+    arith = [([i], 0) for i in range(10)]
+    gsm = [([100 + i], 0) for i in range(3)]
+    mb = sft.MixedBatches(arith, gsm, batch_size=8, arith_fraction=0.75, seed=1)
+    batches = [mb.next() for _ in range(5)]
+    assert all(len(parts[0]) == 6 and len(parts[1]) == 2 for parts in batches)
+    firsts = [e[0][0] for parts in batches for e in parts[0]]
+    assert sorted(firsts[:10]) == list(range(10))  # one full epoch before any repeat
+    again = sft.MixedBatches(arith, gsm, batch_size=8, arith_fraction=0.75, seed=1)
+    assert [again.next() for _ in range(5)] == batches
+    assert sft.MixedBatches(arith, [], 4, 0.5, 0).next() == [sft.MixedBatches(arith, [], 4, 0.5, 0).next()[0]]
+    assert len(sft.MixedBatches(arith, [], 4, 0.5, 0).next()[0]) == 4  # one source: it fills the batch
+    with pytest.raises(InputError, match="no training sequences"):
+        sft.MixedBatches([], [], 4, 0.5, 0)
+
+
+# --------------------------------------------------------------------------- the stage
+
+SMOKE_OVERRIDES = ["data.gsm8k_source=src", "sft.steps=24", "sft.log_every=4", "sft.eval_every=12",
+                   "sft.batch_size=8", "sft.warmup_steps=4", "sft.lr=1e-2", "sft.eval_samples=8"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """data/ prepared once from a slice of the real GSM8K with the smoke params."""
+    if not SHARED_GSM8K.is_dir():
+        pytest.skip("needs ../shared/data/gsm8k next to the repo")
+    from pipeline.stages.prepare import run_prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    for split, n in (("train", 200), ("test", 20)):
+        lines = (SHARED_GSM8K / f"{split}.jsonl").read_text().splitlines(keepends=True)[:n]
+        (root / "src").mkdir(exist_ok=True)
+        (root / "src" / f"{split}.jsonl").write_text("".join(lines))
+    cwd = Path.cwd()
+    try:
+        os.chdir(root)
+        run_prepare(load_config(REPO / "configs" / "smoke.yaml", SMOKE_OVERRIDES))
+    finally:
+        os.chdir(cwd)
+    return root / "data"
+
+
+@pytest.fixture
+def workdir(prepared, tmp_path, monkeypatch):
+    shutil.copytree(prepared, tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def smoke_config(*extra: str):
+    return load_config(REPO / "configs" / "smoke.yaml", [*SMOKE_OVERRIDES, *extra])
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    header, *rows = path.read_text().splitlines()
+    return [dict(zip(header.split(","), r.split(","))) for r in rows]
+
+
+def test_sft_loss_decreases_and_is_deterministic(workdir):
+    from pipeline.checkpoint import load_extra_state, load_policy
+
+    out = sft.run_sft(smoke_config())
+    rows = read_csv(Path("plots/sft.csv"))
+    assert [r["step"] for r in rows] == ["4", "8", "12", "16", "20", "24"]
+    losses = [float(r["loss"]) for r in rows]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert rows[2]["val_loss"] and rows[2]["arith_accuracy"] and not rows[0]["val_loss"]
+    assert out["val_loss"] == pytest.approx(float(rows[-1]["val_loss"]), rel=1e-5)
+    assert 0.0 <= out["arith_accuracy"] <= 1.0
+    state = load_extra_state("checkpoints/sft")
+    assert state["stage"] == "sft" and state["step"] == 24
+    weights = Path("checkpoints/sft/model.safetensors").read_bytes()
+    policy = load_policy("checkpoints/sft", "cpu")
+    assert policy.num_params() == out["num_params"]
+
+    sft.run_sft(smoke_config())  # same seed, same data: the same weights, bit for bit (CPU)
+    assert Path("checkpoints/sft/model.safetensors").read_bytes() == weights
+    assert [float(r["loss"]) for r in read_csv(Path("plots/sft.csv"))] == losses
+
+
+def test_skip_path_copies_an_init_checkpoint(workdir):
+    from pipeline.checkpoint import load_extra_state, load_policy
+
+    sft.run_sft(smoke_config("sft.steps=2", "sft.eval_samples=0"))
+    shutil.move("checkpoints/sft", "base")
+    out = sft.run_sft(smoke_config("model.init=base", "sft.steps=1000"))  # steps ignored: nothing trains
+    assert out["skipped"] and out["checkpoint"] == "checkpoints/sft"
+    base, copy = load_policy("base", "cpu"), load_policy("checkpoints/sft", "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), copy.state_dict().values()))
+    assert load_extra_state("checkpoints/sft") == {"stage": "sft", "skipped": True, "init": "base"}
+    assert Path("plots/sft.csv").read_text() == "step,loss,val_loss,arith_accuracy\n"
+    with pytest.raises(InputError, match="not a checkpoint folder"):
+        sft.run_sft(smoke_config("model.init=data"))
+
+
+def test_skip_path_saves_an_hf_model(workdir, hf_dirs):
+    from pipeline.checkpoint import load_policy
+
+    out = sft.run_sft(smoke_config("model.backend=hf", f"model.init={hf_dirs['gpt2']}"))
+    assert out["skipped"]
+    policy = load_policy("checkpoints/sft", "cpu")
+    assert policy.backend == "hf"
+    ids = torch.tensor([[5, 6, 7]])
+    assert policy.logits(ids, torch.ones_like(ids)).shape[-1] >= policy.tokenizer.vocab_size
+
+
+def test_missing_prepared_data_is_a_one_line_input_error(prepared, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match="tokenizer not found"):
+        sft.run_sft(smoke_config())
+    Path("data").mkdir()
+    shutil.copy(prepared / "tokenizer.json", "data/tokenizer.json")
+    with pytest.raises(InputError, match=r"arith_train.jsonl: not found \(run the prepare stage first\)"):
+        sft.run_sft(smoke_config())
