@@ -40,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.errors import InputError
     from pipeline.stages import stage_function
 
-    if args.stage == "compare":
-        from pipeline.tracking import compare_runs
-
-        print(compare_runs(cfg))
-        return 0
     names = STAGES if args.stage == "all" else (args.stage,)
     try:
+        if args.stage == "compare":
+            from pipeline.tracking import compare_runs
+
+            print(compare_runs(cfg))
+            return 0
         for name in names:
             result = stage_function(name)(cfg)
             print(json.dumps({"stage": name, **(result or {})}, default=str))
