@@ -177,7 +177,9 @@ def test_forced_nan_is_skipped_and_counted_then_stops(workdir, monkeypatch):
 def _run_cli(stage: str, *overrides: str, cwd: Path, wait: bool = True):
     cmd = [sys.executable, "-m", "pipeline", stage, "--params", str(ROOT / "configs" / "smoke.yaml"),
            "--set", f"data.gsm8k_source={GSM8K}", *[x for o in overrides for x in ("--set", o)]]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # one intra-op thread: bit-exactness across processes holds for a fixed thread count, and
+    # multi-threaded BLAS on a loaded 2-core machine may split reductions differently run to run
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     if wait:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
