@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import evaluation as ev
+from pipeline import files
 from pipeline.config import Config
 from pipeline.errors import InputError
 
@@ -151,7 +152,7 @@ def test_maj_correct_and_sample_stats():
 
 def test_failed_write_leaves_previous_file_intact(tmp_path):
     path = tmp_path / "metrics" / "eval.json"
-    ev.write_json_atomic(path, {"sft": {"gsm8k_accuracy": 0.5}})
+    files.write_json_atomic(path, {"sft": {"gsm8k_accuracy": 0.5}})
     before = path.read_bytes()
 
     def half_then_fail(f):
@@ -159,10 +160,10 @@ def test_failed_write_leaves_previous_file_intact(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        ev.atomic_write(path, half_then_fail)
+        files.atomic_write(path, half_then_fail)
     assert path.read_bytes() == before
     with pytest.raises(ValueError):  # NaN is refused before anything is written
-        ev.write_json_atomic(path, {"sft": {"gsm8k_accuracy": float("nan")}})
+        files.write_json_atomic(path, {"sft": {"gsm8k_accuracy": float("nan")}})
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["eval.json"]  # no temporary left behind
 

@@ -3,7 +3,6 @@ bit-exact kill-and-resume, DDP (gloo, 2 processes) == 1 process, non-finite step
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil

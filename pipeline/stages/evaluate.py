@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pipeline import evaluation as ev
+from pipeline import files
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
 from pipeline.errors import InputError
 from pipeline.tracking import stage_logger
@@ -194,13 +195,13 @@ def _write_outputs(metrics: dict, predictions: dict[tuple[str, str], list[dict[s
     written: dict[str, Path] = {}
     for (stage, task), preds in predictions.items():
         path = Path(REPORTS_DIR) / f"predictions_{stage}_{task}.csv"
-        written[f"predictions_{stage}_{task}"] = ev.write_csv_atomic(path, pd.DataFrame(preds))
-    written["accuracy_csv"] = ev.write_csv_atomic(Path(PLOTS_DIR) / "accuracy.csv", ev.accuracy_table(metrics))
+        written[f"predictions_{stage}_{task}"] = files.write_csv_atomic(path, pd.DataFrame(preds))
+    written["accuracy_csv"] = files.write_csv_atomic(Path(PLOTS_DIR) / "accuracy.csv", ev.accuracy_table(metrics))
     written["accuracy_png"] = ev.plot_accuracy(metrics, Path(PLOTS_DIR) / "accuracy.png")
     written["training_curves_png"] = ev.plot_training_curves(
         {s: Path(PLOTS_DIR) / f"{s}.csv" for s in TRAINING_CSVS}, Path(PLOTS_DIR) / "training_curves.png")
     # the metrics file last: its presence means everything above is complete
-    written["eval_json"] = ev.write_json_atomic(Path(METRICS_DIR) / "eval.json", metrics)
+    written["eval_json"] = files.write_json_atomic(Path(METRICS_DIR) / "eval.json", metrics)
     return written
 
 

@@ -22,7 +22,7 @@ from pipeline.data.arithmetic import generate_curriculum
 from pipeline.data.gsm8k import BadRow, load_raw, validate_split
 from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
-from pipeline.evaluation import write_bytes_atomic, write_json_atomic
+from pipeline.files import write_bytes_atomic, write_json_atomic
 from pipeline.tokenizer import TOKENIZER_FILE, train_tokenizer
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from pipeline.checkpoint import init_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config
 from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
-from pipeline.evaluation import write_bytes_atomic
+from pipeline.files import write_bytes_atomic
 from pipeline.model.policy import build_policy
 from pipeline.rewards.parsing import extract_answer
 from pipeline.rewards.verifiers import answers_match

@@ -1,0 +1,44 @@
+"""Atomic file writes: a temporary file beside the target, fsync, rename. A crash or an exception
+mid-write leaves the previous file intact and no partial file behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Call `write(f)` on a temporary file beside `path`, fsync, then rename over `path`.
+
+    If `write` raises, the temporary file is removed and any previous `path` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """Indented JSON with a trailing newline; keys keep insertion order (stable diffs for DVC)."""
+    text = json.dumps(obj, indent=2, allow_nan=False) + "\n"  # serialise first: a bad value writes nothing
+    return write_bytes_atomic(path, text.encode())
+
+
+def write_csv_atomic(path: str | Path, df) -> Path:
+    text = df.to_csv(index=False, lineterminator="\n")
+    return write_bytes_atomic(path, text.encode())
