@@ -46,3 +46,28 @@ test-slow: setup
 
 clean-outputs:
 	rm -rf data checkpoints metrics plots/*.png reports mlflow.db
+
+# Benchmarks (bench/*.py; figures in docs/performance.md). A separate venv so TRL (the `bench` extra)
+# never enters the product's lock: torch first (the local CPU wheel; a bare `torch` would pull CUDA).
+BENCH_VENV ?= .venv-bench
+BENCH_BIN  := $(BENCH_VENV)/bin
+.PHONY: bench-venv
+bench-venv: $(BENCH_VENV)/.installed
+
+$(BENCH_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	echo '*' > $(BENCH_VENV)/.gitignore
+	$(BENCH_BIN)/python -m pip install --quiet --upgrade pip
+	$(BENCH_BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BENCH_BIN)/python -m pip install --quiet -e ".[bench]"
+	$(BENCH_BIN)/python -m pip show trl transformers | grep -E '^(Name|Version)'
+	touch $@
+
+# Every benchmark once, on the CPU defaults (minutes each on a 2-core machine; GSM8K as for `run`).
+bench: setup bench-venv
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python bench/grpo_iteration.py $(if $(GSM8K),--gsm8k $(GSM8K))
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BENCH_BIN)/python bench/vs_trl.py
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python bench/rollout.py
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python bench/scaling.py
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python bench/memory.py $(if $(GSM8K),--gsm8k $(GSM8K))
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/overhead.py $(if $(GSM8K),--gsm8k $(GSM8K))

@@ -163,14 +163,35 @@ class GRPOTrainer:
         for p in (self.init_dir, self.ref_dir):
             if not (p / "config.json").is_file():
                 raise InputError(f"{p}: checkpoint not found (run the stage that writes it first)")
-        self.train_rows = read_jsonl_rows(self.train_path)
-        self.eval_rows = read_jsonl_rows(self.eval_path)[: self.g.eval_samples]
+        self._read_rows()
         fp = self.fingerprint()
         done = self._finished(fp)
         if done is not None:
             print(f"{self.stage}: up to date ({self.out_dir}), nothing to do")
             return done
 
+        self.setup()
+        resumed = ts.load_resume(self.resume_dir, fp, self)
+        is_main = self.rank == 0
+        logger_cm = stage_logger(self.cfg, self.stage, enabled=is_main)
+        with logger_cm as log:
+            if is_main:
+                log.log_params(self.cfg.flat())
+                log.set_tags({"stage": self.stage, "resumed_from": str(resumed or 0)})
+            self._loop(log, fp)
+            summary = self._finish(log, fp)
+        dist_utils.barrier()
+        return summary
+
+    def _read_rows(self) -> None:
+        self.train_rows = read_jsonl_rows(self.train_path)
+        self.eval_rows = read_jsonl_rows(self.eval_path)[: self.g.eval_samples]
+
+    def setup(self) -> None:
+        """Policy, reference, optimizer, RNG and sampler at iteration 0: all `iteration()` needs
+        (`run()` calls it; benchmarks call it, then `iteration()`, with no logging or saving)."""
+        if not hasattr(self, "train_rows"):
+            self._read_rows()
         torch.manual_seed(self.g.seed)
         self.policy = load_policy(self.init_dir)
         self.train_rows = self._fitting(self.train_rows, self.train_path)
@@ -186,18 +207,6 @@ class GRPOTrainer:
         self.it, self.nonfinite_run, self.skipped = 0, 0, 0
         self.total_iters = self.g.iterations
         self.adaptive_log: list[str] = []
-
-        resumed = ts.load_resume(self.resume_dir, fp, self)
-        is_main = self.rank == 0
-        logger_cm = stage_logger(self.cfg, self.stage, enabled=is_main)
-        with logger_cm as log:
-            if is_main:
-                log.log_params(self.cfg.flat())
-                log.set_tags({"stage": self.stage, "resumed_from": str(resumed or 0)})
-            self._loop(log, fp)
-            summary = self._finish(log, fp)
-        dist_utils.barrier()
-        return summary
 
     def _loop(self, log: Logger, fp: str) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -271,17 +280,19 @@ class GRPOTrainer:
         t_score = time.perf_counter()
         adv = group_advantages(rewards, G, norm=g.adv_norm)
         ids, attn, resp = ro.input_ids, ro.attention_mask, ro.response_mask
+        start = ro.prompt_len  # responses start here: no vocabulary projection over the prompts
         t_lp = time.perf_counter()
         single_step = g.grpo_epochs == 1 and (g.minibatch_groups in (0, g.prompts_per_iter // self.world))
         with torch.inference_mode():
             # One optimizer step per iteration: the policy has not moved since sampling, so
             # old = new.detach() exactly (TRL does the same); otherwise recompute under no grad.
-            old_lp = None if single_step else compute_logprobs(self.policy, ids, attn, g.temperature)
-            ref_lp = compute_logprobs(self.ref, ids, attn, g.temperature) if self.ref is not None else None
+            old_lp = None if single_step else compute_logprobs(self.policy, ids, attn, g.temperature, start=start)
+            ref_lp = (compute_logprobs(self.ref, ids, attn, g.temperature, start=start)
+                      if self.ref is not None else None)
         t_upd = time.perf_counter()
         lr = lr_at(self.it, self.total_iters, g.lr, g.warmup_iters, g.lr_schedule)
         set_lr(self.optimizer, lr)
-        stats = self._update(ids, attn, resp, adv, old_lp, ref_lp)
+        stats = self._update(ids, attn, resp, adv, old_lp, ref_lp, start)
         t_end = time.perf_counter()
 
         resp_f = resp.float()
@@ -307,7 +318,7 @@ class GRPOTrainer:
                     "gold": rows[i // G]["gold"]} for i in range(0, min(len(ro.texts), 3 * G), G)]
         return metrics, samples
 
-    def _update(self, ids, attn, resp, adv, old_lp, ref_lp) -> dict[str, float]:
+    def _update(self, ids, attn, resp, adv, old_lp, ref_lp, start: int = 1) -> dict[str, float]:
         g, G = self.g, self.g.group_size
         n = ids.shape[0]
         mb_groups = g.minibatch_groups or n // G
@@ -316,7 +327,7 @@ class GRPOTrainer:
         for _ in range(g.grpo_epochs):
             for s in range(0, n, mb):
                 sl = slice(s, s + mb)
-                new_lp = compute_logprobs(self.policy, ids[sl], attn[sl], g.temperature)
+                new_lp = compute_logprobs(self.policy, ids[sl], attn[sl], g.temperature, start=start)
                 old = new_lp.detach() if old_lp is None else old_lp[sl]
                 ref = ref_lp[sl] if ref_lp is not None else None
                 loss, st = grpo_loss(new_lp, old, ref, adv[sl], resp[sl], clip=g.clip, kl_coef=g.kl_coef,

@@ -1,0 +1,149 @@
+"""Helpers shared by the benchmarks: environment, the GSM8K path, a prepared temp working dir,
+alternating timers, the machine's matmul peak and FLOP counts of the from-scratch GPT.
+
+Every benchmark prints its figures and, as its LAST line, one JSON object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+for _k, _v in {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_k, _v)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def default_gsm8k() -> str:
+    """The shared local GSM8K copy (never the hub): $GSM8K, else ../shared/data/gsm8k next to the repo."""
+    for cand in (os.environ.get("GSM8K"), ROOT.parent / "shared" / "data" / "gsm8k", "/work/shared/data/gsm8k"):
+        if cand and Path(cand).exists():
+            return str(Path(cand).resolve())
+    raise SystemExit("no local GSM8K copy found: pass --gsm8k PATH or set GSM8K")
+
+
+def load_avg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def machine_line(threads: int) -> str:
+    import platform
+
+    import torch
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {load_avg()}; "
+            f"torch {torch.__version__}, {threads} thread(s)")
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def alternate(runs: dict[str, Callable[[], Any]], repeats: int, warm_up: bool = True) -> dict[str, list[float]]:
+    """Seconds of each run, `repeats` times, interleaved so drifting load hits every side alike."""
+    if warm_up:
+        for fn in runs.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            times[name].append(timed(fn)[0])
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def matmul_peak(n: int = 1024, repeats: int = 5, dtype: str = "float32", device: str = "cpu") -> float:
+    """Best FLOP/s of an (n x n) @ (n x n) torch.mm at the current thread count: the machine's
+    practical matmul peak (best of `repeats`, after a warm-up)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    a = torch.randn(n, n, dtype=dt, device=device)
+    b = torch.randn(n, n, dtype=dt, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    torch.mm(a, b)
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def matmul_params(module) -> int:
+    """Weights that enter a matmul once per token (the 'N' of 2N/6N): every >=2-D parameter except
+    the embedding lookup, counting a tied LM head once as a matmul."""
+    import torch
+
+    seen, total = set(), 0
+    emb = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    head = getattr(module, "lm_head", None)
+    for p in module.parameters():
+        if p.dim() < 2 or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in emb and not (head is not None and head.weight is p):
+            continue
+        total += p.numel()
+    return total
+
+
+@contextlib.contextmanager
+def workdir(keep: bool = False):
+    """A temp working directory (cwd while inside); removed afterwards unless `keep`."""
+    old = os.getcwd()
+    tmp = tempfile.mkdtemp(prefix="grpo-bench-")
+    os.chdir(tmp)
+    try:
+        yield Path(tmp)
+    finally:
+        os.chdir(old)
+        if not keep:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_with_random_policy(cfg) -> None:
+    """In the cwd: run the prepare stage, then save ONE randomly initialised policy (seeded) as both
+    checkpoints/sft and checkpoints/warmup. Random weights are fine for timing (they rarely emit a
+    stop token, so rollouts run to full length: the worst case for time per iteration)."""
+    import torch
+
+    from pipeline.checkpoint import init_policy, save_policy
+    from pipeline.config import CHECKPOINT_DIR, DATA_DIR
+    from pipeline.stages.prepare import run_prepare
+    from pipeline.tokenizer import load_tokenizer
+
+    run_prepare(cfg)
+    tok = load_tokenizer(Path(DATA_DIR))
+    torch.manual_seed(0)
+    policy = init_policy(cfg.model, tok)
+    for name in ("sft", "warmup"):
+        save_policy(Path(CHECKPOINT_DIR) / name, policy)
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The machine-readable last line."""
+    print(json.dumps(result, default=str), flush=True)

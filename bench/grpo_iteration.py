@@ -1,0 +1,138 @@
+"""One GRPO iteration of the `grpo` stage, phase by phase, with FLOP/s against the machine's matmul peak.
+
+In a temp working dir: the prepare stage on the local GSM8K copy, then ONE randomly initialised
+policy saved as checkpoints/sft and checkpoints/warmup (random weights: fine for timing, and they
+almost never emit a stop token, so rollouts run to the full ``rollout_len``). Then
+``GRPOTrainer(cfg, "grpo").setup()``, one warm-up ``iteration()``, and ``--iters`` timed ones.
+
+FLOPs (N = weights that enter a matmul per token, the tied LM head included, embeddings not;
+L layers, C width; T the padded width of the rows actually computed, padding included):
+  rollout   prefill 2N per prompt token (B distinct prompts) + decode 2N per row-step
+  ref       2N per scored token (N_rows x T)            (skipped when kl_coef = 0)
+  old       2N per token, only when grpo_epochs > 1 or minibatches (else old = new.detach())
+  update    6N per trained token (forward + backward)
+  attention 4*L*C*ctx per token forward (QK^T and AV; ctx = attended keys, causal: T/2 on average),
+            x3 in the update
+The peak is the best fp32 ``torch.mm`` of 2048x2048 at the same thread count, measured before and
+after the iterations in the same process (the larger is used).
+
+    .venv/bin/python bench/grpo_iteration.py [--params params.yaml] [--set grpo.group_size=16 ...]
+        [--gsm8k PATH] [--threads 1] [--iters 1]
+
+The last line printed is a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (alternate, default_gsm8k, emit, machine_line, matmul_params, matmul_peak,  # noqa: E402
+                    median, prepare_with_random_policy, timed, workdir)
+
+import torch  # noqa: E402
+
+PHASES = ("rollout", "scoring", "logprobs", "update")
+
+
+def model_dims(policy) -> tuple[int, int, int]:
+    """(N matmul params, layers, width) of either backend."""
+    cfg = policy.module.config
+    layers = getattr(cfg, "n_layer", None) or getattr(cfg, "num_hidden_layers")
+    width = getattr(cfg, "n_embd", None) or getattr(cfg, "hidden_size")
+    return matmul_params(policy.module), layers, width
+
+
+def iteration_flops(N: int, L: int, C: int, B: int, rows: int, Tp: int, steps: int, ref: bool, old: bool) -> dict:
+    """FLOPs of each phase for B prompts of padded width Tp, `rows` = B*G rows, `steps` decode steps."""
+    attn = 4 * L * C
+    T = Tp + steps
+    prefill = 2 * N * B * Tp + attn * B * Tp * Tp / 2
+    decode = 2 * N * rows * steps + attn * rows * sum(Tp + t + 1 for t in range(steps))
+    fwd_full = 2 * N * rows * T + attn * rows * T * T / 2  # one forward over the (rows, T) batch
+    return {"rollout": prefill + decode, "logprobs": fwd_full * (int(ref) + int(old)), "update": 3 * fwd_full,
+            "scoring": 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", default=str(Path(__file__).resolve().parents[1] / "params.yaml"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--gsm8k", default=None, help="local GSM8K copy (default: the shared one)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: the 2 shared CPU cores thrash with more under load)")
+    ap.add_argument("--iters", type=int, default=1, help="timed iterations after one warm-up iteration")
+    ap.add_argument("--stage", default="grpo", choices=["grpo", "warmup"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from pipeline.config import load_config
+    from pipeline.stages.train import GRPOTrainer
+
+    gsm8k = args.gsm8k or default_gsm8k()
+    cfg = load_config(args.params, [f"data.gsm8k_source={gsm8k}", "tracking.enabled=false", *args.overrides])
+    peak0 = matmul_peak(2048, 3)
+    with workdir():
+        t_prep, _ = timed(lambda: prepare_with_random_policy(cfg))
+        trainer = GRPOTrainer(cfg, args.stage)
+        trainer.setup()
+        seen = {}
+        sample = trainer._sample_groups
+
+        def capture():  # keep the last rollout's shapes for the FLOP count
+            out = sample()
+            seen["ro"] = out[1]
+            return out
+
+        trainer._sample_groups = capture
+        metrics: list[dict] = []
+
+        def one():
+            m, _ = trainer.iteration()
+            trainer.it += 1
+            metrics.append(m)
+
+        times = alternate({"iteration": one}, args.iters)["iteration"]
+        metrics = metrics[1:]  # drop the warm-up
+        ro, policy, g = seen["ro"], trainer.policy, trainer.g
+    peak = max(peak0, matmul_peak(2048, 3))
+
+    N, L, C = model_dims(policy)
+    B, rows, Tp = g.prompts_per_iter, ro.input_ids.shape[0], ro.prompt_len
+    steps = ro.input_ids.shape[1] - Tp
+    single = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter)
+    flops = iteration_flops(N, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=not single)
+    wall = median(times)
+    phase_s = {p: median([m[f"time_{p}"] for m in metrics]) for p in PHASES}
+    phase_s["other"] = max(wall - sum(phase_s.values()), 0.0)  # reward scoring, metrics, Python
+    gen_tokens = float(ro.response_mask.sum())
+    total_flops = sum(flops.values())
+
+    print(machine_line(args.threads))
+    print(f"model: {policy.backend}, {N / 1e6:.2f}M matmul params, {L}x{C}; {B} prompts x G={g.group_size}, "
+          f"prompt width {Tp}, {steps} decode steps, {gen_tokens:.0f} generated tokens; kl_coef {g.kl_coef}; "
+          f"prepare took {t_prep:.1f}s (not timed); random init")
+    print(f"matmul peak (fp32 2048^3 mm, {args.threads} thread(s)): {peak / 1e9:.1f} GFLOP/s")
+    print(f"iteration: {wall:.3f}s (median of {len(times)}: " + ", ".join(f"{t:.3f}" for t in times) + ")")
+    print(f"{'phase':10s} {'s':>8s} {'share':>6s} {'GFLOP':>8s} {'GFLOP/s':>8s} {'of peak':>8s}")
+    for p, s in phase_s.items():
+        f = flops.get(p, 0.0)
+        rate = f / s if s > 0 else 0.0
+        print(f"{p:10s} {s:8.3f} {s / wall:6.1%} {f / 1e9:8.2f} {rate / 1e9:8.2f} {rate / peak:8.1%}")
+    rate = total_flops / wall
+    print(f"{'total':10s} {wall:8.3f} {1:6.0%} {total_flops / 1e9:8.2f} {rate / 1e9:8.2f} {rate / peak:8.1%}")
+    print(f"tokens/s (generated tokens / iteration wall): {gen_tokens / wall:.0f}")
+    emit({"bench": "grpo_iteration", "params": args.params, "overrides": args.overrides, "threads": args.threads,
+          "seconds_per_iteration": round(wall, 4), "times": [round(t, 4) for t in times],
+          "phases_s": {k: round(v, 4) for k, v in phase_s.items()},
+          "phase_gflop": {k: round(v / 1e9, 3) for k, v in flops.items()},
+          "gflop_per_iteration": round(total_flops / 1e9, 3), "gflop_s": round(rate / 1e9, 3),
+          "matmul_peak_gflop_s": round(peak / 1e9, 2), "fraction_of_peak": round(rate / peak, 4),
+          "generated_tokens": gen_tokens, "tokens_per_s": round(gen_tokens / wall, 1),
+          "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps})
+
+
+if __name__ == "__main__":
+    main()
