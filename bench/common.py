@@ -144,6 +144,46 @@ def prepare_with_random_policy(cfg) -> None:
         save_policy(Path(CHECKPOINT_DIR) / name, policy)
 
 
+def synthetic_corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    """Arithmetic Q/A plus pseudo-words: enough merges for a 2048-token BPE vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(3000)]
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        out.append(f"Question: What is {a} + {b}?\nAnswer: {a} + {b} = <answer>{a + b}</answer> "
+                   + " ".join(rng.choice(words) for _ in range(8)))
+    return out
+
+
+def arith_rows(n: int, seed: int = 1) -> list[dict[str, Any]]:
+    """`n` two-digit addition rows in the processed-JSONL schema, with the default prompt template."""
+    import random
+
+    from pipeline.config import DEFAULT_TEMPLATE
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        q = f"What is {a} + {b}?"
+        out.append({"id": f"b{i}", "source": "arith", "question": q, "prompt": DEFAULT_TEMPLATE.format(question=q),
+                    "gold": float(a + b), "solution": f"{a} + {b} = <answer>{a + b}</answer>", "level": 1})
+    return out
+
+
+def write_rows(rows: list[dict[str, Any]]) -> None:
+    """In the cwd: `rows` as data/gsm8k_train.jsonl (and one as gsm8k_val.jsonl) for the grpo stage."""
+    from pipeline.config import DATA_DIR
+    from pipeline.stages.prepare import write_jsonl
+
+    Path(DATA_DIR).mkdir(exist_ok=True)
+    write_jsonl(Path(DATA_DIR) / "gsm8k_train.jsonl", rows)
+    write_jsonl(Path(DATA_DIR) / "gsm8k_val.jsonl", rows[:1])
+
+
 def emit(result: dict[str, Any]) -> None:
     """The machine-readable last line."""
     print(json.dumps(result, default=str), flush=True)

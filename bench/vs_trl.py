@@ -6,7 +6,8 @@ generations, exactly 32 completion tokens (TRL: ``min_new_tokens=32``; ours: no 
 temperature 1.0, beta = kl_coef = 0.04 (so both run a reference forward), clip 0.2, one update
 pass (TRL ``num_iterations=1``: old log-probs = new.detach() on both), token-mean loss (TRL
 ``loss_type="dapo"``), per-group reward scaling, AdamW lr 2e-5, CPU, fp32, no vLLM, no
-checkpoints (TRL ``save_strategy="no"``, ``report_to="none"``). Reward on both sides: our
+checkpoints (TRL ``save_strategy="no"``, ``report_to="none"``), no gradient checkpointing (TRL's
+default is on; ours has none, so it is turned off for a like-for-like figure). Reward on both sides: our
 verifier (``reward_for("arith")``) on 8 arithmetic prompts (the whole dataset, so every iteration
 uses all 8 on both sides).
 
@@ -24,74 +25,26 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, load_avg, median, workdir  # noqa: E402
+from common import arith_rows, emit, load_avg, median, synthetic_corpus, workdir, write_rows  # noqa: E402
 
 import torch  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, BETA, CLIP, LR = 8, 8, 32, 0.04, 0.2, 2e-5
 
 
-def corpus(n: int = 3000, seed: int = 0) -> list[str]:
-    """Arithmetic Q/A plus pseudo-words: enough merges for a 2048-token BPE vocabulary."""
-    rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(3000)]
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, 999), rng.randint(0, 999)
-        out.append(f"Question: What is {a} + {b}?\nAnswer: {a} + {b} = <answer>{a + b}</answer> "
-                   + " ".join(rng.choice(words) for _ in range(8)))
-    return out
-
-
-def build_model(folder: Path, layers: int, width: int) -> tuple[int, object]:
-    """Save a random GPT-2 + HF tokenizer to `folder`; return (param count, our BPE tokenizer)."""
-    from tokenizers import Tokenizer
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    from pipeline.tokenizer import EOS, PAD, train_tokenizer
-
-    bpe = train_tokenizer(corpus(), vocab_size=2048)
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=bpe.vocab_size, n_positions=512, n_embd=width, n_layer=layers, n_head=4,
-                     bos_token_id=bpe.eos_id, eos_token_id=bpe.eos_id, pad_token_id=bpe.pad_id)
-    model = GPT2LMHeadModel(cfg)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(bpe.to_str()), pad_token=PAD, eos_token=EOS)
-    model.save_pretrained(folder)
-    hf_tok.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters()), bpe
-
-
-def rows(seed: int = 1) -> list[dict]:
-    from pipeline.config import DEFAULT_TEMPLATE
-
-    rng = random.Random(seed)
-    out = []
-    for i in range(PROMPTS):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        q = f"What is {a} + {b}?"
-        out.append({"id": f"b{i}", "source": "arith", "question": q, "prompt": DEFAULT_TEMPLATE.format(question=q),
-                    "gold": float(a + b), "solution": f"{a} + {b} = <answer>{a + b}</answer>", "level": 1})
-    return out
-
-
 def ours_trainer(model_dir: Path, data: list[dict]):
     """Our GRPOTrainer on the HF backend, in the cwd (data/ and checkpoints/ written here)."""
     from pipeline.checkpoint import save_policy
-    from pipeline.config import CHECKPOINT_DIR, DATA_DIR, config_from_dict
+    from pipeline.config import CHECKPOINT_DIR, config_from_dict
     from pipeline.model.policy import build_policy
     from pipeline.stages import train as train_mod
-    from pipeline.stages.prepare import write_jsonl
-
-    Path(DATA_DIR).mkdir(exist_ok=True)
-    write_jsonl(Path(DATA_DIR) / "gsm8k_train.jsonl", data)
-    write_jsonl(Path(DATA_DIR) / "gsm8k_val.jsonl", data[:1])
+    
+    write_rows(data)
     model = {"backend": "hf", "init": str(model_dir), "device": "cpu", "dtype": "float32"}
     cfg = config_from_dict({
         "model": model, "tracking": {"enabled": False},
@@ -134,7 +87,7 @@ def main() -> None:
     with workdir() as tmp:
         model_dir = tmp / "model"
         n_params, _ = build_model(model_dir, args.layers, args.width)
-        data = rows()
+        data = arith_rows(PROMPTS)
         ours = ours_trainer(model_dir, data)
         ours_times: list[float] = []
         trl_marks: list[float] = []
@@ -154,7 +107,8 @@ def main() -> None:
             temperature=1.0, top_p=1.0, top_k=0, beta=BETA, epsilon=CLIP, num_iterations=1, loss_type="dapo",
             scale_rewards="group", learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
             max_steps=1 + args.repeats, save_strategy="no", report_to="none", logging_steps=10_000, use_cpu=True,
-            bf16=False, fp16=False, seed=0, disable_dropout=True, dataloader_num_workers=0, log_completions=False)
+            bf16=False, fp16=False, seed=0, gradient_checkpointing=False, disable_dropout=True, dataloader_num_workers=0,
+            log_completions=False)
         dataset = Dataset.from_list([{"prompt": r["prompt"], "gold": r["gold"]} for r in data])
         trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=dataset,
                               processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Interleave()])
