@@ -6,7 +6,9 @@ almost never emit a stop token, so rollouts run to the full ``rollout_len``). Th
 ``GRPOTrainer(cfg, "grpo").setup()``, one warm-up ``iteration()``, and ``--iters`` timed ones.
 
 FLOPs (N = weights that enter a matmul per token, the tied LM head included, embeddings not;
-L layers, C width; T the padded width of the rows actually computed, padding included):
+L layers, C width; T the padded width of the rows actually computed, padding included; the LM
+head only where it is computed: the last prompt position in the prefill, response columns in the
+log-prob passes):
   rollout   prefill 2N per prompt token (B distinct prompts) + decode 2N per row-step
   ref       2N per scored token (N_rows x T)            (skipped when kl_coef = 0)
   old       2N per token, only when grpo_epochs > 1 or minibatches (else old = new.detach())
@@ -37,21 +39,24 @@ import torch  # noqa: E402
 PHASES = ("rollout", "scoring", "logprobs", "update")
 
 
-def model_dims(policy) -> tuple[int, int, int]:
-    """(N matmul params, layers, width) of either backend."""
+def model_dims(policy) -> tuple[int, int, int, int]:
+    """(N matmul params, LM-head params, layers, width) of either backend."""
     cfg = policy.module.config
     layers = getattr(cfg, "n_layer", None) or getattr(cfg, "num_hidden_layers")
     width = getattr(cfg, "n_embd", None) or getattr(cfg, "hidden_size")
-    return matmul_params(policy.module), layers, width
+    return matmul_params(policy.module), cfg.vocab_size * width, layers, width
 
 
-def iteration_flops(N: int, L: int, C: int, B: int, rows: int, Tp: int, steps: int, ref: bool, old: bool) -> dict:
-    """FLOPs of each phase for B prompts of padded width Tp, `rows` = B*G rows, `steps` decode steps."""
+def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, steps: int, ref: bool,
+                    old: bool) -> dict:
+    """FLOPs of each phase for B prompts of padded width Tp, `rows` = B*G rows, `steps` decode steps.
+    N includes the LM head (H params), which the prefill applies to the last prompt position only and
+    the log-prob passes to the response columns only (compute_logprobs `start`)."""
     attn = 4 * L * C
     T = Tp + steps
-    prefill = 2 * N * B * Tp + attn * B * Tp * Tp / 2
+    prefill = 2 * (N - H) * B * Tp + 2 * H * B + attn * B * Tp * Tp / 2
     decode = 2 * N * rows * steps + attn * rows * sum(Tp + t + 1 for t in range(steps))
-    fwd_full = 2 * N * rows * T + attn * rows * T * T / 2  # one forward over the (rows, T) batch
+    fwd_full = 2 * (N - H) * rows * T + 2 * H * rows * (steps + 1) + attn * rows * T * T / 2  # one forward pass
     return {"rollout": prefill + decode, "logprobs": fwd_full * (int(ref) + int(old)), "update": 3 * fwd_full,
             "scoring": 0.0}
 
@@ -65,6 +70,10 @@ def main() -> None:
                     help="torch threads (1: the 2 shared CPU cores thrash with more under load)")
     ap.add_argument("--iters", type=int, default=1, help="timed iterations after one warm-up iteration")
     ap.add_argument("--stage", default="grpo", choices=["grpo", "warmup"])
+    ap.add_argument("--ab-full-logits", action="store_true",
+                    help="also time a twin trainer (same seeds, so the same prompts and widths) whose log-prob "
+                         "passes project every column onto the vocabulary (compute_logprobs start=1, the old "
+                         "behaviour), alternating iteration by iteration")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -94,16 +103,34 @@ def main() -> None:
             trainer.it += 1
             metrics.append(m)
 
-        times = alternate({"iteration": one}, args.iters)["iteration"]
+        runs = {"iteration": one}
+        if args.ab_full_logits:
+            import pipeline.stages.train as train_mod
+
+            twin = GRPOTrainer(cfg, args.stage)
+            twin.setup()
+            lp = train_mod.compute_logprobs
+
+            def full():
+                train_mod.compute_logprobs = lambda *a, start=1, **k: lp(*a, **k)
+                try:
+                    twin.iteration()
+                    twin.it += 1
+                finally:
+                    train_mod.compute_logprobs = lp
+
+            runs["full_logits"] = full
+        all_times = alternate(runs, args.iters)
+        times = all_times["iteration"]
         metrics = metrics[1:]  # drop the warm-up
         ro, policy, g = seen["ro"], trainer.policy, trainer.g
     peak = max(peak0, matmul_peak(2048, 3))
 
-    N, L, C = model_dims(policy)
+    N, H, L, C = model_dims(policy)
     B, rows, Tp = g.prompts_per_iter, ro.input_ids.shape[0], ro.prompt_len
     steps = ro.input_ids.shape[1] - Tp
     single = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter)
-    flops = iteration_flops(N, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=not single)
+    flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=not single)
     wall = median(times)
     phase_s = {p: median([m[f"time_{p}"] for m in metrics]) for p in PHASES}
     phase_s["other"] = max(wall - sum(phase_s.values()), 0.0)  # reward scoring, metrics, Python
@@ -124,6 +151,13 @@ def main() -> None:
     rate = total_flops / wall
     print(f"{'total':10s} {wall:8.3f} {1:6.0%} {total_flops / 1e9:8.2f} {rate / 1e9:8.2f} {rate / peak:8.1%}")
     print(f"tokens/s (generated tokens / iteration wall): {gen_tokens / wall:.0f}")
+    ab = {}
+    if args.ab_full_logits:
+        full_s = median(all_times["full_logits"])
+        ab = {"full_logits_s": round(full_s, 4), "start_speedup": round(full_s / wall, 3),
+              "full_logits_times": [round(t, 4) for t in all_times["full_logits"]]}
+        print(f"A/B: vocabulary projection on every column {full_s:.3f}s vs response columns only {wall:.3f}s "
+              f"= {full_s / wall:.2f}x (" + ", ".join(f"{t:.3f}" for t in all_times["full_logits"]) + ")")
     emit({"bench": "grpo_iteration", "params": args.params, "overrides": args.overrides, "threads": args.threads,
           "seconds_per_iteration": round(wall, 4), "times": [round(t, 4) for t in times],
           "phases_s": {k: round(v, 4) for k, v in phase_s.items()},
@@ -131,7 +165,7 @@ def main() -> None:
           "gflop_per_iteration": round(total_flops / 1e9, 3), "gflop_s": round(rate / 1e9, 3),
           "matmul_peak_gflop_s": round(peak / 1e9, 2), "fraction_of_peak": round(rate / peak, 4),
           "generated_tokens": gen_tokens, "tokens_per_s": round(gen_tokens / wall, 1),
-          "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps})
+          "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps, **ab})
 
 
 if __name__ == "__main__":
