@@ -132,7 +132,9 @@ def main() -> None:
     single = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter)
     flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=not single)
     wall = median(times)
-    phase_s = {p: median([m[f"time_{p}"] for m in metrics]) for p in PHASES}
+    mid = min(range(len(times)), key=lambda i: abs(times[i] - wall))  # the (closest to) median iteration
+    phase_s = {p: metrics[mid][f"time_{p}"] for p in PHASES}  # its phases, so they add up to its wall time
+    wall = times[mid]
     phase_s["other"] = max(wall - sum(phase_s.values()), 0.0)  # reward scoring, metrics, Python
     gen_tokens = float(ro.response_mask.sum())
     total_flops = sum(flops.values())

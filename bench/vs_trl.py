@@ -37,13 +37,31 @@ import torch  # noqa: E402
 PROMPTS, GROUP, NEW_TOKENS, BETA, CLIP, LR = 8, 8, 32, 0.04, 0.2, 2e-5
 
 
+def build_model(folder: Path, layers: int, width: int) -> tuple[int, object]:
+    """Save a random GPT-2 + HF tokenizer to `folder`; return (param count, our BPE tokenizer)."""
+    from tokenizers import Tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from pipeline.tokenizer import EOS, PAD, train_tokenizer
+
+    bpe = train_tokenizer(synthetic_corpus(), vocab_size=2048)
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=bpe.vocab_size, n_positions=512, n_embd=width, n_layer=layers, n_head=4,
+                     bos_token_id=bpe.eos_id, eos_token_id=bpe.eos_id, pad_token_id=bpe.pad_id)
+    model = GPT2LMHeadModel(cfg)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(bpe.to_str()), pad_token=PAD, eos_token=EOS)
+    model.save_pretrained(folder)
+    hf_tok.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters()), bpe
+
+
 def ours_trainer(model_dir: Path, data: list[dict]):
     """Our GRPOTrainer on the HF backend, in the cwd (data/ and checkpoints/ written here)."""
     from pipeline.checkpoint import save_policy
     from pipeline.config import CHECKPOINT_DIR, config_from_dict
     from pipeline.model.policy import build_policy
     from pipeline.stages import train as train_mod
-    
+
     write_rows(data)
     model = {"backend": "hf", "init": str(model_dir), "device": "cpu", "dtype": "float32"}
     cfg = config_from_dict({
