@@ -3,6 +3,7 @@ bit-exact kill-and-resume, DDP (gloo, 2 processes) == 1 process, non-finite step
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -245,3 +246,41 @@ def test_update_under_ddp_equals_single_process(tmp_path):
     mb = json.loads((out / "ddp.json").read_text())
     for k in ("loss", "grad_norm"):  # token-weighted exactly; per-token means (kl, clipfrac) average per rank
         assert mb[k] == pytest.approx(ma[k], rel=1e-4, abs=1e-6), k
+
+
+def _csv_rows(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_dynamic_sampling_drops_zero_variance_groups(workdir, monkeypatch):
+    """Groups whose gold is odd always score 0 (no variance): DAPO dynamic sampling replaces them."""
+    from pipeline.stages import train
+
+    monkeypatch.setattr(train, "reward_for",
+                        lambda source: (lambda text, gold: float(len(text) % 2) if int(gold) % 2 == 0 else 0.0))
+    cfg = smoke_cfg("warmup.iterations=2", "warmup.dynamic_sampling=true", "warmup.max_sampling_rounds=8",
+                    "warmup.prompts_per_iter=4", "warmup.eval_every=0")
+    train.run_warmup(cfg)
+    rows = _csv_rows(workdir / "plots" / "warmup.csv")
+    assert sum(int(r["dropped_groups"]) for r in rows) > 0
+    informative_dynamic = sum(float(r["informative"]) for r in rows) / len(rows)
+
+    # without it, the same rewards leave the odd-gold groups (about half) in the batch
+    train.run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, dynamic_sampling=False)))
+    rows = _csv_rows(workdir / "plots" / "warmup.csv")
+    assert all(r["dropped_groups"] == "0" for r in rows)
+    informative_static = sum(float(r["informative"]) for r in rows) / len(rows)
+    assert informative_dynamic >= 0.75 and informative_dynamic > informative_static
+
+
+def test_adaptive_curriculum_leaves_early_and_logs_why(workdir):
+    from pipeline.stages.train import run_warmup
+
+    cfg = smoke_cfg("warmup.iterations=6", "warmup.adaptive=true", "warmup.exit_reward=0", "warmup.exit_accuracy=0",
+                    "warmup.eval_every=2")
+    summary = run_warmup(cfg)
+    assert summary["iterations"] == 2
+    assert "leaving the warmup early" in summary["adaptive"][0]

@@ -215,6 +215,8 @@ class GRPOTrainer:
         cols = [TextColumn(f"[bold]{self.stage}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                 TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
         with Progress(*cols, disable=not is_main, transient=False) as bar:
+            # no live bar in a log file or under CI: print one plain line per logged iteration instead
+            plain = is_main and not bar.console.is_terminal
             task = bar.add_task(self.stage, total=self.total_iters, completed=self.it, info="")
             while self.it < self.total_iters:
                 metrics, samples = self.iteration()
@@ -228,56 +230,61 @@ class GRPOTrainer:
                     log.log_metrics({f"train/{k}": v for k, v in metrics.items() if v is not None}, step=self.it)
                     if samples:
                         log.log_table(samples, f"samples/{self.stage}_{self.it:05d}.json")
-                bar.update(task, completed=self.it, total=self.total_iters,
-                           info=f"reward {metrics['reward']:.3f}  inf {metrics['informative']:.2f}  "
-                                f"kl {metrics['kl']:.4f}" + (f"  acc {metrics['accuracy']:.2f}"
-                                                            if metrics.get("accuracy") is not None else ""))
+                info = (f"reward {metrics['reward']:.3f}  inf {metrics['informative']:.2f}  kl {metrics['kl']:.4f}"
+                        + (f"  acc {metrics['accuracy']:.3f}" if metrics.get("accuracy") is not None else ""))
+                bar.update(task, completed=self.it, total=self.total_iters, info=info)
+                if plain and (self.it % self.g.log_every == 0 or self.it == self.total_iters):
+                    print(f"{self.stage} {self.it}/{self.total_iters}  {info}", flush=True)
                 if self.it % self.g.save_every == 0 and self.it < self.total_iters and is_main:
                     ts.save_resume(self.resume_dir, fp, self)
                     ts.write_csv(self.csv_path, self.series, CSV_COLUMNS)
 
     # ------------------------------------------------------------------ one iteration
 
-    def _sample_groups(self) -> tuple[list[dict[str, Any]], Rollout, torch.Tensor, int, float]:
-        """Roll out prompts_per_iter groups (this rank's shard); with dynamic sampling, replace
-        zero-variance groups with fresh prompts for up to max_sampling_rounds rounds."""
+    def _score(self, rows: list[dict[str, Any]], texts: list[str]) -> torch.Tensor:
+        """Verifier rewards of group-contiguous completions (completion i answers rows[i // G])."""
+        G = self.g.group_size
+        return torch.tensor([reward_for(rows[i // G]["source"])(t, rows[i // G]["gold"]) for i, t in enumerate(texts)])
+
+    def _sample_groups(self) -> tuple[list[dict[str, Any]], Rollout, torch.Tensor, int, dict[str, float]]:
+        """Roll out prompts_per_iter groups (this rank's shard) and score them; with dynamic sampling,
+        replace zero-variance groups with fresh prompts for up to max_sampling_rounds rounds."""
         g, G = self.g, self.g.group_size
         per_rank = g.prompts_per_iter // self.world
         kept_rows: list[dict[str, Any]] = []
         kept: list[tuple[Rollout, list[int]]] = []
-        dropped, t_roll, rounds = 0, 0.0, 0
+        kept_rewards: list[torch.Tensor] = []
+        dropped, rounds, times = 0, 0, {"rollout": 0.0, "scoring": 0.0}
         while len(kept_rows) < per_rank and rounds < g.max_sampling_rounds:
-            need = per_rank - len(kept_rows) if rounds else per_rank
+            need = per_rank - len(kept_rows)
             idx = self.sampler.next(need * self.world)[self.rank * need:(self.rank + 1) * need]
             rows = [self.train_rows[i] for i in idx]
             t0 = time.perf_counter()
             ro = rollout_prompts(self.policy, [r["prompt"] for r in rows], G, g.rollout_len, g.temperature,
                                  g.top_p, g.top_k, generator=self.gen)
-            t_roll += time.perf_counter() - t0
-            rewards = torch.tensor([reward_for(rows[i // G]["source"])(ro.texts[i], rows[i // G]["gold"])
-                                    for i in range(len(ro.texts))])
-            std = rewards.view(-1, G).std(dim=1)
+            t1 = time.perf_counter()
+            rewards = self._score(rows, ro.texts).view(-1, G)          # (prompts, G)
+            times["rollout"] += t1 - t0
+            times["scoring"] += time.perf_counter() - t1
             rounds += 1
+            informative = rewards.std(dim=1) > 1e-6
             for j, row in enumerate(rows):
-                informative = std[j].item() > 1e-6
-                if g.dynamic_sampling and not informative and rounds < g.max_sampling_rounds:
+                # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)
+                if g.dynamic_sampling and not informative[j] and rounds < g.max_sampling_rounds:
                     dropped += 1
                     continue
                 kept_rows.append(row)
                 kept.append((ro, list(range(j * G, (j + 1) * G))))
+                kept_rewards.append(rewards[j])
             if not g.dynamic_sampling:
                 break
-        kept_rows, kept = kept_rows[:per_rank], kept[:per_rank]
-        rollout = ts.select_rollouts(kept, self.policy.tokenizer.pad_id)
-        rewards = torch.tensor([reward_for(kept_rows[i // G]["source"])(rollout.texts[i], kept_rows[i // G]["gold"])
-                                for i in range(len(rollout.texts))])
-        return kept_rows, rollout, rewards, dropped, t_roll
+        rollout = ts.select_rollouts(kept[:per_rank], self.policy.tokenizer.pad_id)
+        return kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), dropped, times
 
     def iteration(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         g, G = self.g, self.g.group_size
         t_start = time.perf_counter()
-        rows, ro, rewards, dropped, t_roll = self._sample_groups()
-        t_score = time.perf_counter()
+        rows, ro, rewards, dropped, times = self._sample_groups()
         adv = group_advantages(rewards, G, norm=g.adv_norm)
         ids, attn, resp = ro.input_ids, ro.attention_mask, ro.response_mask
         start = ro.prompt_len  # responses start here: no vocabulary projection over the prompts
@@ -311,7 +318,7 @@ class GRPOTrainer:
         metrics.update({
             "lr": lr, "dropped_groups": dropped, "skipped_steps": self.skipped,
             "tokens_per_s": n_tok * self.world / max(t_end - t_start, 1e-9),
-            "time_rollout": t_roll, "time_scoring": t_lp - t_score, "time_logprobs": t_upd - t_lp,
+            "time_rollout": times["rollout"], "time_scoring": times["scoring"], "time_logprobs": t_upd - t_lp,
             "time_update": t_end - t_upd,
         })
         samples = [{"prompt": rows[i // G]["question"][:200], "completion": ro.texts[i], "reward": rewards[i].item(),
