@@ -67,11 +67,11 @@ class ModelConfig:
     """`gpt`: the from-scratch GPT of pipeline/model/gpt.py; `hf`: any transformers causal LM."""
     init: str = ""
     """Empty: random init and SFT from scratch. A checkpoint folder or HF model id/folder: start from it."""
-    n_layer: int = 4
+    n_layer: int = 3
     """Transformer blocks (gpt backend)."""
     n_head: int = 4
     """Attention heads per block (gpt backend)."""
-    n_embd: int = 256
+    n_embd: int = 96
     """Residual stream width (gpt backend)."""
     block_size: int = 512
     """Maximum context length in tokens (prompt + response)."""
@@ -89,11 +89,11 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 1500
+    steps: int = 2000
     """Optimizer steps of supervised fine-tuning."""
-    batch_size: int = 32
+    batch_size: int = 16
     """Sequences per step."""
-    lr: float = 1e-3
+    lr: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 100
     """Linear LR warmup steps, then cosine decay to 10% of `lr`."""
@@ -101,11 +101,11 @@ class SFTConfig:
     """AdamW weight decay on matrices."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
-    arith_fraction: float = 0.5
+    arith_fraction: float = 0.875
     """Fraction of each batch drawn from the arithmetic curriculum (the rest: GSM8K solutions)."""
-    max_len: int = 384
+    max_len: int = 256
     """Training sequences longer than this many tokens are dropped."""
-    log_every: int = 50
+    log_every: int = 100
     """Steps between metric logs."""
     eval_every: int = 500
     """Steps between validation loss and held-out arithmetic accuracy."""
@@ -117,7 +117,7 @@ class SFTConfig:
 
 @dataclass
 class GRPOConfig:
-    iterations: int = 60
+    iterations: int = 20
     """GRPO iterations (for the warmup section this is the seed's `curriculum_iters`)."""
     prompts_per_iter: int = 8
     """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
@@ -127,7 +127,7 @@ class GRPOConfig:
     """Passes over the rollout batch per iteration."""
     minibatch_groups: int = 0
     """Whole groups per minibatch; 0 = the whole batch in one step."""
-    lr: float = 2e-5
+    lr: float = 5e-5
     """Peak AdamW learning rate."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warmup: constant, or cosine decay to 10% of `lr` at the last iteration."""
@@ -153,7 +153,7 @@ class GRPOConfig:
     """Nucleus sampling threshold; 1.0 disables it."""
     top_k: int = 0
     """Top-k sampling; 0 disables it."""
-    rollout_len: int = 64
+    rollout_len: int = 128
     """Maximum new tokens per completion."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
@@ -165,11 +165,11 @@ class GRPOConfig:
     """Stop with an error after this many consecutive non-finite steps."""
     log_every: int = 1
     """Iterations between metric logs."""
-    eval_every: int = 20
+    eval_every: int = 10
     """Iterations between greedy held-out accuracy checks; 0 disables."""
-    eval_samples: int = 100
+    eval_samples: int = 50
     """Held-out problems in each periodic accuracy check."""
-    save_every: int = 10
+    save_every: int = 5
     """Iterations between resumable checkpoints."""
     keep_last: int = 2
     """Resumable checkpoints kept."""
@@ -181,6 +181,19 @@ class GRPOConfig:
 
 @dataclass
 class WarmupConfig(GRPOConfig):
+    # the curriculum's own defaults: short arithmetic answers, more prompts, a longer run
+    iterations: int = 60
+    """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`)."""
+    prompts_per_iter: int = 16
+    """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
+    rollout_len: int = 48
+    """Maximum new tokens per completion (a worked arithmetic answer needs about 30)."""
+    eval_every: int = 20
+    """Iterations between greedy held-out accuracy checks; 0 disables."""
+    eval_samples: int = 200
+    """Held-out problems in each periodic accuracy check."""
+    save_every: int = 10
+    """Iterations between resumable checkpoints."""
     adaptive: bool = False
     """Adaptive curriculum: stop early once both thresholds pass, extend while informative is low."""
     exit_reward: float = 1.0
