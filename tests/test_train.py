@@ -284,3 +284,13 @@ def test_adaptive_curriculum_leaves_early_and_logs_why(workdir):
     summary = run_warmup(cfg)
     assert summary["iterations"] == 2
     assert "leaving the warmup early" in summary["adaptive"][0]
+
+
+def test_nproc_2_relaunches_under_torchrun_and_rank0_saves(workdir):
+    """grpo.nproc=2 on CPU: the stage runs itself under torchrun (gloo); rank 0 writes the outputs."""
+    res = _run_cli("warmup", "warmup.nproc=2", "warmup.iterations=2", "warmup.eval_every=0", cwd=workdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (workdir / "checkpoints" / "warmup" / "model.safetensors").is_file()
+    rows = _csv_rows(workdir / "plots" / "warmup.csv")
+    assert [r["iteration"] for r in rows] == ["1", "2"]
+    assert not (workdir / "checkpoints" / "warmup.resume").exists()
