@@ -100,6 +100,26 @@ def test_sampled_logprobs_equal_recomputed(any_policy, temperature):
     assert diff < 1e-4
 
 
+def test_logprobs_from_response_start_equal_the_full_computation(any_policy):
+    """`start=` skips the vocabulary projection over prompt columns; what it returns is unchanged."""
+    r = rollout_prompts(any_policy, PROMPTS, group_size=2, max_new_tokens=8, generator=gen(3))
+    ids, mask = r.input_ids, r.attention_mask
+    with torch.no_grad():
+        full = compute_logprobs(any_policy, ids, mask)
+        part = compute_logprobs(any_policy, ids, mask, start=r.prompt_len)
+    assert (part[:, : r.prompt_len] == 0).all()
+    torch.testing.assert_close(part[:, r.prompt_len:], full[:, r.prompt_len:], atol=1e-6, rtol=0)
+    # and with grad: the same gradient on the response log-probs
+    any_policy.module.zero_grad()
+    (compute_logprobs(any_policy, ids, mask, start=r.prompt_len) * r.response_mask).sum().backward()
+    g_part = [p.grad.clone() for p in any_policy.module.parameters() if p.grad is not None]
+    any_policy.module.zero_grad()
+    (compute_logprobs(any_policy, ids, mask) * r.response_mask).sum().backward()
+    g_full = [p.grad.clone() for p in any_policy.module.parameters() if p.grad is not None]
+    for a, b in zip(g_part, g_full):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_padding_does_not_change_logprobs(any_policy):
     tok = any_policy.tokenizer
     short, long = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2] + " 1 2 3 4 5")
