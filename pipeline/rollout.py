@@ -138,7 +138,7 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
     if not prompt_ids or any(len(s) == 0 for s in prompt_ids):
         raise ValueError("rollout_prompts: need at least one prompt, and no prompt may be empty")
     ids, mask = left_pad(prompt_ids, tok.pad_id, dev)  # (B, Tp)
-    (B, Tp), N = ids.shape, len(prompt_ids) * G
+    Tp, N = ids.shape[1], len(prompt_ids) * G
     limit = policy.max_len
     if limit is not None and Tp + max_new_tokens > limit:
         raise ValueError(f"prompt ({Tp} tokens) + max_new_tokens ({max_new_tokens}) > context length {limit}")

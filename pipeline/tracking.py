@@ -16,12 +16,28 @@ Orchestrators pass context through environment variables, never imports: ``GRPO_
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.config import Config
 from pipeline.errors import InputError
+
+
+@contextlib.contextmanager
+def temporary_env(values: dict[str, str | None]) -> Iterator[None]:
+    """Set environment variables (None or "" leaves one unset) for the block, then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items() if v})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class Logger(Protocol):

@@ -35,7 +35,7 @@ from typing import Any
 
 from pipeline.config import STAGES, Config
 from pipeline.errors import InputError
-from pipeline.tracking import FLOW_RUN_ENV, TrackingUnavailableError
+from pipeline.tracking import FLOW_RUN_ENV, TrackingUnavailableError, temporary_env
 from pipeline.tracking import PARENT_RUN_ENV as PARENT_ENV
 
 PROBE_TIMEOUT_S = 5.0
@@ -78,20 +78,10 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-@contextlib.contextmanager
-def _no_http_retries() -> Iterator[None]:
+def _no_http_retries():
     """Make MLflow's REST calls fail fast (its defaults retry with backoff for minutes)."""
-    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(PROBE_TIMEOUT_S))}
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(PROBE_TIMEOUT_S))})
 
 
 def experiment_id(cfg: Config, client=None) -> str:

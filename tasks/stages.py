@@ -20,9 +20,7 @@ variables (``GRPO_PREFECT_FLOW_RUN_ID``, ``GRPO_PARENT_RUN_ID``): ``pipeline/`` 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +32,7 @@ from prefect.states import State
 from pipeline.config import STAGES, load_config
 from pipeline.stages import stage_function
 from pipeline.tracking import (FLOW_RUN_ENV, PARENT_RUN_ENV, TrackingUnavailableError, end_pipeline_run,
-                               start_pipeline_run)
+                               start_pipeline_run, temporary_env)
 
 RETRY_DELAYS_S = [5, 30]
 TRANSIENT_NAMES = {"ConnectionError", "Timeout", "ConnectTimeout", "ReadTimeout", "ConnectTimeoutError",
@@ -91,22 +89,9 @@ def _flow_run_id() -> str | None:
     return flow_run.id
 
 
-@contextlib.contextmanager
-def tracking_env(parent_run_id: str | None) -> Iterator[None]:
+def tracking_env(parent_run_id: str | None):
     """Export the MLflow parent run and Prefect flow-run id to ``pipeline.tracking`` for one stage."""
-    values = {PARENT_RUN_ENV: parent_run_id, FLOW_RUN_ENV: _flow_run_id()}
-    saved = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v:
-            os.environ[k] = str(v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return temporary_env({PARENT_RUN_ENV: parent_run_id, FLOW_RUN_ENV: _flow_run_id()})
 
 
 def run_stage(name: str, params_path: str, overrides: list[str] | None,
