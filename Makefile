@@ -20,11 +20,11 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 .PHONY: setup run test test-slow bench clean-outputs
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev]" -c requirements.lock
 	touch $@
 
 # The main job: every stage through DVC. With GSM8K=PATH the local copy is written into params.yaml
