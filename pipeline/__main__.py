@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from pipeline.config import STAGES, ConfigError, dump_config, load_config
@@ -39,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pipeline.errors import InputError
     from pipeline.stages import stage_function
+
+    # the stages' progress lines (logging.getLogger(__name__)) on stderr; other libraries stay quiet
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger("pipeline")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
 
     names = STAGES if args.stage == "all" else (args.stage,)
     try:
