@@ -76,6 +76,23 @@ def task_runs_of(flow_run_id):
         return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
+def settled_state(state, timeout: float = 60.0):
+    """The flow run's final state as the API records it (under load the returned state can lag)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    if state.is_final():
+        return state
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            current = client.read_flow_run(state.state_details.flow_run_id).state
+            if current.is_final() or time.monotonic() > deadline:
+                return current
+            time.sleep(0.5)
+
+
 def artifacts_of(flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -213,8 +230,8 @@ def test_failed_stage_fails_the_flow_and_marks_parent_failed(monkeypatch, tmp_pa
     uri = "sqlite:///" + str(tmp_path / "mlflow.db")
     params = tmp_path / "p.yaml"
     params.write_text(f"tracking:\n  enabled: true\n  uri: {uri}\n  experiment: failtest\n")
-    state = grpo_pipeline(str(params), return_state=True)
-    assert state.is_failed()
+    state = settled_state(grpo_pipeline(str(params), return_state=True))
+    assert state.is_failed(), state
     runs = {r.name.rsplit("-", 1)[0]: r for r in task_runs_of(state.state_details.flow_run_id)}
     assert runs["warmup"].state.is_failed() and runs["warmup"].run_count == 1  # training is not retried
     assert "grpo" not in runs

@@ -24,10 +24,12 @@ def test_seed_size_is_about_406m_params():
     assert abs(count_params(dataclasses.replace(seed, positions="rope")) - 406e6) / 406e6 < 0.01
 
 
-def test_default_size_is_a_few_million_params():
+def test_default_size_fits_two_cpu_cores():
+    # 3 x 96 (~0.64M): in the SFT budget of a few minutes on 2 cores it learns more arithmetic than
+    # 4 x 128 or 4 x 256 do (see the SFT tuning figures in docs/tuning.md)
     mc = ModelConfig()  # the params.yaml defaults
     n = count_params(GPTConfig.from_model_config(mc, vocab_size=2048))
-    assert 2e6 < n < 10e6
+    assert 0.3e6 < n < 5e6
 
 
 def test_head_is_tied_to_embedding():
