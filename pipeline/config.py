@@ -85,6 +85,8 @@ class ModelConfig:
     """Compute dtype: `auto` is bf16 autocast on CUDA and fp32 on CPU."""
     compile: bool = False
     """Wrap the model in torch.compile (worth it on GPU only)."""
+    num_threads: int = 1
+    """torch intra-op CPU threads; 0 = torch's default (one per core). The tiny default runs fastest on 1."""
 
 
 @dataclass
@@ -274,6 +276,7 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("model.n_embd", m.n_embd >= 1 and m.n_embd % max(m.n_head, 1) == 0,
          "an integer >= 1 divisible by model.n_head"),
         ("model.block_size", m.block_size >= 16, "an integer >= 16"),
+        ("model.num_threads", m.num_threads >= 0, "an integer >= 0 (0 = torch's default)"),
         ("model.dropout", 0.0 <= m.dropout < 1.0, "a number in [0, 1)"),
         ("model.device", m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"),
          "auto, cpu, cuda or cuda:N"),

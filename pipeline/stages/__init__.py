@@ -5,6 +5,7 @@ The returned dict is small and JSON-serialisable: output paths and headline figu
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +22,23 @@ _REGISTRY = {
 }
 
 
+def apply_runtime(cfg: Config) -> None:
+    """Process-wide settings every stage runs under (the CLI, DVC and Prefect all get them)."""
+    if cfg.model.num_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.model.num_threads)
+
+
 def stage_function(name: str) -> Callable[[Config], dict[str, Any]]:
     if name not in _REGISTRY:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(_REGISTRY)}")
     module, func = _REGISTRY[name]
-    return getattr(importlib.import_module(module), func)
+    run = getattr(importlib.import_module(module), func)
+
+    @functools.wraps(run)
+    def with_runtime(cfg: Config) -> dict[str, Any]:
+        apply_runtime(cfg)
+        return run(cfg)
+
+    return with_runtime
