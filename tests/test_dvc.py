@@ -107,9 +107,8 @@ def test_repro_prepare_then_nothing_to_do(tmp_path):
     assert "changed" not in sh(repo, "dvc", "status", "prepare").stdout
 
 
-# --------------------------------------------------------------------------- whole pipeline (slow)
+# --------------------------------------------------------------------------- whole pipeline (~2 min; in CI)
 
-@pytest.mark.slow
 def test_full_pipeline_repro_experiments_diffs_and_remote(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     first = sh(repo, "dvc", "repro")
