@@ -17,7 +17,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup run test test-slow bench clean-outputs
+.PHONY: setup run test bench clean-outputs
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml requirements.lock
@@ -40,9 +40,6 @@ endif
 
 test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
-
-test-slow: setup
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 clean-outputs:
 	rm -rf data checkpoints metrics plots/*.png reports mlflow.db
