@@ -33,12 +33,12 @@ from pipeline import distributed as dist_utils
 from pipeline.checkpoint import load_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig, dump_config
 from pipeline.errors import InputError, TrainingDivergedError
-from pipeline.grpo import group_advantages, grpo_loss
-from pipeline.rewards.verifiers import answers_match, reward_for
-from pipeline.rewards.parsing import extract_answer
+from pipeline.grpo import group_advantages, grpo_loss, informative_fraction
+from pipeline.rewards.verifiers import reward_for
 from pipeline.rollout import Rollout, compute_logprobs, rollout_prompts
 from pipeline.stages import train_state as ts
 from pipeline.stages.prepare import read_jsonl_rows
+from pipeline.stages.sft import greedy_accuracy
 from pipeline.tracking import Logger, stage_logger
 from pipeline.training import build_optimizer, lr_at, set_lr
 
@@ -307,10 +307,9 @@ class GRPOTrainer:
         n_tok = float(lengths.sum().item())
         # entropy estimate: mean negative log-prob of the sampled tokens (unbiased at temperature 1)
         entropy = -(ro.logprobs * resp_f).sum().item() / max(n_tok, 1.0)
-        group_std = rewards.view(-1, G).std(dim=1)
         local = {
             "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-            "informative": (group_std > 1e-6).float().mean().item(),
+            "informative": informative_fraction(rewards, G),
             "response_len": lengths.mean().item(), "truncated": ro.truncated.float().mean().item(),
             "entropy": entropy, **stats,
         }
@@ -370,14 +369,7 @@ class GRPOTrainer:
 
     def evaluate(self) -> float | None:
         """Greedy accuracy on the held-out slice (rank 0's figure; all ranks compute the same)."""
-        if not self.eval_rows:
-            return None
-        correct = 0
-        for s in range(0, len(self.eval_rows), 64):
-            rows = self.eval_rows[s:s + 64]
-            ro = rollout_prompts(self.policy, [r["prompt"] for r in rows], 1, self.g.rollout_len, greedy=True)
-            correct += sum(answers_match(extract_answer(t), r["gold"]) for t, r in zip(ro.texts, rows))
-        return correct / len(self.eval_rows)
+        return greedy_accuracy(self.policy, self.eval_rows, self.g.rollout_len)
 
     def _adapt(self, metrics: dict[str, Any]) -> None:
         """Adaptive curriculum (warmup only): leave early, or stay longer while groups are uninformative."""
@@ -385,18 +377,21 @@ class GRPOTrainer:
         if not isinstance(g, WarmupConfig) or not g.adaptive:
             return
         acc = metrics.get("accuracy")
+        decision = None
         if acc is not None and metrics["reward"] >= g.exit_reward and acc >= g.exit_accuracy:
             if self.it < self.total_iters:
-                self.adaptive_log.append(f"iteration {self.it}: reward {metrics['reward']:.3f} and accuracy "
-                                         f"{acc:.3f} passed the thresholds; leaving the warmup early")
+                decision = (f"iteration {self.it}: reward {metrics['reward']:.3f} and accuracy {acc:.3f} "
+                            f"passed the thresholds; leaving the warmup early")
                 self.total_iters = self.it
         elif (self.it == self.total_iters and metrics["informative"] < g.min_informative
               and self.total_iters < g.iterations + g.max_extra_iters):
             self.total_iters += 1
-            self.adaptive_log.append(f"iteration {self.it}: informative {metrics['informative']:.2f} < "
-                                     f"{g.min_informative}; extending the warmup by one iteration")
-        if self.adaptive_log and self.rank == 0:
-            print(self.adaptive_log[-1]) if self.adaptive_log[-1].startswith(f"iteration {self.it}:") else None
+            decision = (f"iteration {self.it}: informative {metrics['informative']:.2f} < {g.min_informative}; "
+                        f"extending the warmup by one iteration")
+        if decision:
+            self.adaptive_log.append(decision)
+            if self.rank == 0:
+                print(decision)
 
     # ------------------------------------------------------------------ finish
 
