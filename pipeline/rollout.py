@@ -188,7 +188,7 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
 
 
 def compute_logprobs(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     temperature: float = 1.0, *, start: int = 1) -> torch.Tensor:
+                     temperature: float = 1.0, *, start: int = 1, group_size: int = 1) -> torch.Tensor:
     """(N, T) log p(input_ids[:, t] | input_ids[:, :t]) at `temperature`; column 0 and pads are 0.
 
     Differentiable when grad is enabled. Memory: the gathered log-prob is `logit - logsumexp`, so
@@ -200,6 +200,13 @@ def compute_logprobs(policy: Policy, input_ids: torch.Tensor, attention_mask: to
     """
     T = input_ids.shape[1]
     start = max(1, min(start, T))
+    if _prefix_shared(policy, input_ids, attention_mask, start, group_size):
+        from pipeline.model.hf import hf_shared_prefix_logits
+
+        with policy.autocast():
+            logits = hf_shared_prefix_logits(policy.module, input_ids, attention_mask,
+                                             positions_from_mask(attention_mask), start, group_size)
+        return _gather_logprobs(logits, input_ids, attention_mask, temperature, start)
     head = _output_head(policy.module) if start > 1 else None
     hook = head.register_forward_pre_hook(lambda _m, args: (args[0][:, start - 1:],)) if head is not None else None
     try:
@@ -209,13 +216,33 @@ def compute_logprobs(policy: Policy, input_ids: torch.Tensor, attention_mask: to
             hook.remove()
     if logits.shape[1] == T:  # no hook (start 1), or a wrapper (torch.compile) that skipped it
         logits = logits[:, start - 1:]
-    logits = logits[:, :-1].float()  # (N, T-start, V): logits at positions start-1 .. T-2
+    return _gather_logprobs(logits[:, :-1], input_ids, attention_mask, temperature, start)
+
+
+def _gather_logprobs(logits, input_ids, attention_mask, temperature: float, start: int) -> torch.Tensor:
+    """(N, T) log-probs from the logits at positions start-1 .. T-2 (N, T-start, V)."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     target = input_ids[:, start:]  # (N, T-start)
     logp = logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (N, T-start)
     logp = torch.where(attention_mask[:, start:].bool(), logp, torch.zeros_like(logp))
     return F.pad(logp, (start, 0))  # (N, T)
+
+
+def _prefix_shared(policy: Policy, input_ids, attention_mask, start: int, group: int) -> bool:
+    """Whether the shared-prompt path applies: HF backend run directly (not DDP / compiled: those
+    need one forward per backward), group-contiguous rows whose first `start` columns agree within
+    each group (what a rollout hands over; checked, so any other batch takes the plain path)."""
+    N = input_ids.shape[0]
+    if group <= 1 or start <= 1 or N % group or policy.backend != "hf" or policy.runner is not policy.module:
+        return False
+    B = N // group
+    for t in (input_ids[:, :start], attention_mask[:, :start]):
+        g = t.reshape(B, group, start)
+        if not torch.equal(g, g[:, :1].expand_as(g)):
+            return False
+    return True
 
 
 def _output_head(module: torch.nn.Module) -> torch.nn.Module | None:

@@ -120,6 +120,43 @@ def test_logprobs_from_response_start_equal_the_full_computation(any_policy):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prompt_logprobs_equal_the_plain_computation(any_policy, temperature):
+    """`group_size=` runs each group's prompt once (HF backend) and the responses on its cache:
+    same log-probs and same gradient as one full forward, with rows of different lengths."""
+    from pipeline.rollout import _prefix_shared
+
+    tok = any_policy.tokenizer
+    stops = list(range(0, tok.vocab_size, 4))
+    r = rollout_prompts(any_policy, PROMPTS, group_size=4, max_new_tokens=10, temperature=temperature,
+                        generator=gen(5), stop_ids=stops)
+    ids, mask, P = r.input_ids, r.attention_mask, r.prompt_len
+    assert len(set(r.response_lengths.tolist())) > 1  # right padding inside the response block
+    assert _prefix_shared(any_policy, ids, mask, P, 4) == (any_policy.backend == "hf")
+    assert not _prefix_shared(any_policy, ids.roll(1, 0), mask.roll(1, 0), P, 4)  # groups mixed: plain path
+    with torch.no_grad():
+        plain = compute_logprobs(any_policy, ids, mask, temperature, start=P)
+        shared = compute_logprobs(any_policy, ids, mask, temperature, start=P, group_size=4)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared, r.logprobs, atol=1e-4, rtol=0)
+    grads = []
+    for g in (1, 4):
+        any_policy.module.zero_grad()
+        (compute_logprobs(any_policy, ids, mask, temperature, start=P, group_size=g) * r.response_mask).sum().backward()
+        grads.append([p.grad.clone() for p in any_policy.module.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_logprobs_with_one_response_column(any_policy):
+    r = rollout_prompts(any_policy, PROMPTS, group_size=2, max_new_tokens=1, generator=gen(6))
+    with torch.no_grad():
+        plain = compute_logprobs(any_policy, r.input_ids, r.attention_mask, start=r.prompt_len)
+        shared = compute_logprobs(any_policy, r.input_ids, r.attention_mask, start=r.prompt_len, group_size=2)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+
+
 def test_padding_does_not_change_logprobs(any_policy):
     tok = any_policy.tokenizer
     short, long = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2] + " 1 2 3 4 5")

@@ -82,6 +82,32 @@ def hf_logits(model: nn.Module, input_ids, attention_mask, position_ids) -> torc
     return out.logits
 
 
+def hf_shared_prefix_logits(model: nn.Module, input_ids, attention_mask, position_ids, start: int,
+                            group: int) -> torch.Tensor:
+    """Logits at positions ``start-1 .. T-2`` (N, T-start, V) of group-contiguous rows whose first
+    `start` columns (ids and mask) are the same within each group of `group` rows.
+
+    The shared prompt runs ONCE per group (B = N / group rows) with a ``DynamicCache``; the cache
+    is repeated per row and the response columns run on top of it. Same function of the inputs as
+    one full forward (differentiable: the cache is built with ``cat``/``repeat_interleave``, so
+    the prompt's gradient is the sum over its group), but the prompt trunk costs 1/group.
+    """
+    from transformers import DynamicCache
+
+    T = input_ids.shape[1]
+    cache = DynamicCache(config=model.config)
+    key = _cache_kwarg(model)
+    out = model(input_ids=input_ids[::group, :start], attention_mask=attention_mask[::group, :start],
+                position_ids=position_ids[::group, :start], use_cache=True, logits_to_keep=1, **{key: cache})
+    first = out.logits[:, -1:].repeat_interleave(group, dim=0)  # (N, 1, V): position start-1
+    if T - 1 == start:
+        return first
+    cache.batch_repeat_interleave(group)
+    out = model(input_ids=input_ids[:, start:T - 1], attention_mask=attention_mask[:, :T - 1],
+                position_ids=position_ids[:, start:T - 1], use_cache=True, **{key: cache})
+    return torch.cat([first, out.logits], dim=1)  # (N, T-start, V)
+
+
 class HFDecoder:
     """KV-cached incremental decoding of a transformers causal LM.
 

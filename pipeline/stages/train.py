@@ -293,8 +293,8 @@ class GRPOTrainer:
         with torch.inference_mode():
             # One optimizer step per iteration: the policy has not moved since sampling, so
             # old = new.detach() exactly (TRL does the same); otherwise recompute under no grad.
-            old_lp = None if single_step else compute_logprobs(self.policy, ids, attn, g.temperature, start=start)
-            ref_lp = (compute_logprobs(self.ref, ids, attn, g.temperature, start=start)
+            old_lp = None if single_step else compute_logprobs(self.policy, ids, attn, g.temperature, start=start, group_size=G)
+            ref_lp = (compute_logprobs(self.ref, ids, attn, g.temperature, start=start, group_size=G)
                       if self.ref is not None else None)
         t_upd = time.perf_counter()
         lr = lr_at(self.it, self.total_iters, g.lr, g.warmup_iters, g.lr_schedule)
@@ -333,7 +333,7 @@ class GRPOTrainer:
         for _ in range(g.grpo_epochs):
             for s in range(0, n, mb):
                 sl = slice(s, s + mb)
-                new_lp = compute_logprobs(self.policy, ids[sl], attn[sl], g.temperature, start=start)
+                new_lp = compute_logprobs(self.policy, ids[sl], attn[sl], g.temperature, start=start, group_size=G)
                 old = new_lp.detach() if old_lp is None else old_lp[sl]
                 ref = ref_lp[sl] if ref_lp is not None else None
                 loss, st = grpo_loss(new_lp, old, ref, adv[sl], resp[sl], clip=g.clip, kl_coef=g.kl_coef,
