@@ -232,3 +232,28 @@ def test_sampling_frequencies_match_the_distribution():
     tokens, _ = sample_next(logits, top_k=2, generator=gen(4))
     freq = torch.bincount(tokens, minlength=5).double() / tokens.numel()
     torch.testing.assert_close(freq, torch.tensor([0.7311, 0.2689, 0, 0, 0], dtype=torch.double), atol=0.01, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_shared_prefix_decoder_equals_the_plain_decoder(kind, hf_dirs, monkeypatch):
+    """The HF decoder's shared-prefix path (prompt keys read once per group, response keys only,
+    no per-step mask) gives the tokens and log-probs of the plain cache-per-row path; the tiny
+    Llama has 4 query heads over 2 key/value heads (GQA)."""
+    from pipeline.model.hf import HFDecoder
+    from pipeline.model.policy import _Autocasting, build_policy
+    from tests.conftest import tiny_model_config
+
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
+    assert HFDecoder(policy.module, 16).shared
+    stops = list(range(0, policy.tokenizer.vocab_size, 5))
+
+    def run(shared: bool, seed: int | None = None, **kw):
+        monkeypatch.setattr(policy, "decoder", lambda n: _Autocasting(HFDecoder(policy.module, n, shared), policy))
+        return rollout_prompts(policy, PROMPTS, group_size=4, max_new_tokens=12, stop_ids=stops,
+                               generator=None if seed is None else gen(seed), **kw)
+
+    for kw in ({"greedy": True}, {"seed": 9}, {"seed": 10, "temperature": 0.7, "top_k": 20}):
+        fast, plain = run(True, **kw), run(False, **kw)
+        assert torch.equal(fast.input_ids, plain.input_ids) and fast.texts == plain.texts
+        torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+    assert len(set(plain.response_lengths.tolist())) > 1  # rows stopped at different steps

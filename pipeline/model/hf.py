@@ -6,7 +6,9 @@ tokenizer to the pipeline's tokenizer interface (``encode``/``decode``/``pad_id`
 its completion encode the same way in SFT, rollout and evaluation.
 
 :class:`HFDecoder` is the incremental-decoding state for the rollout engine: a transformers
-``DynamicCache`` filled by one prefill, repeated per group, then extended one token per step.
+cache filled by one prefill of the distinct prompts, then extended one token per step (Llama and
+GPT-2: the prompts' keys are shared by their group, see :class:`HFDecoder`).
+:func:`hf_shared_prefix_logits` is the same idea for the GRPO log-prob passes.
 """
 
 from __future__ import annotations
@@ -108,26 +110,86 @@ def hf_shared_prefix_logits(model: nn.Module, input_ids, attention_mask, positio
     return torch.cat([first, out.logits], dim=1)  # (N, T-start, V)
 
 
+_SHARED_PREFIX_ATTN = "grpo_shared_prefix_decode"
+_SHARED_PREFIX_TYPES = ("llama", "gpt2")  # plain causal self-attention, flat config: tested in tests/test_model.py
+_active: list[HFDecoder] = []  # the decoder whose step is running (read by the attention function)
+
+
+def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """One decode step of N = B*G rows (a transformers attention function): the B distinct prompts'
+    keys are read once per group (one (G, Tp) matmul per prompt instead of G (1, Tp) ones), the
+    row's own response keys as usual, one softmax over both.
+
+    query (N, H, 1, D); key/value (N, Hkv, t, D): the response positions so far (this step's
+    included); `attention_mask`: (B, 1, 1, Tp) additive bias of the prompt keys (0 or -inf).
+    Returns (N, 1, H, D) like transformers' own attention functions.
+    """
+    kp, vp = _active[-1].prefix[module.layer_idx]  # (B, Hkv, Tp, D)
+    N, H, _, D = query.shape
+    B, Hkv, Tp, _ = kp.shape
+    G, r, t = N // B, H // Hkv, key.shape[2]
+    scale = D ** -0.5 if scaling is None else scaling
+    q = query.reshape(N, Hkv, r, D)  # the r query heads of each key head side by side (GQA)
+    qg = q.view(B, G, Hkv, r, D).transpose(1, 2).reshape(B, Hkv, G * r, D)  # a group's queries together
+    sp = (qg @ kp.transpose(-1, -2)) * scale + attention_mask  # (B, Hkv, G*r, Tp)
+    sp = sp.view(B, Hkv, G, r, Tp).transpose(1, 2).reshape(N, Hkv, r, Tp)
+    sr = (q @ key.transpose(-1, -2)) * scale  # (N, Hkv, r, t)
+    att = torch.cat([sp, sr], dim=-1).float().softmax(-1).to(value.dtype)  # (N, Hkv, r, Tp + t)
+    ap, ar = att.split([Tp, t], dim=-1)
+    yp = ap.reshape(B, G, Hkv, r, Tp).transpose(1, 2).reshape(B, Hkv, G * r, Tp) @ vp  # (B, Hkv, G*r, D)
+    y = yp.view(B, Hkv, G, r, D).transpose(1, 2).reshape(N, Hkv, r, D) + ar @ value  # (N, Hkv, r, D)
+    return y.reshape(N, 1, H, D), None
+
+
+class _ResponseCache:
+    """Preallocated keys/values of the response positions of N rows (duck-types a transformers
+    Cache for decode steps: attention layers only call `update`)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, max_new: int) -> None:
+        self.k = [kp.new_zeros(rows, kp.shape[1], max_new, kp.shape[3]) for kp, _ in layers]
+        self.v = [vp.new_zeros(rows, vp.shape[1], max_new, vp.shape[3]) for _, vp in layers]
+        self.length = 0
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        end = self.length + key_states.shape[2]
+        self.k[layer_idx][:, :, self.length:end] = key_states
+        self.v[layer_idx][:, :, self.length:end] = value_states
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+
 class HFDecoder:
     """KV-cached incremental decoding of a transformers causal LM.
 
-    Models that support it (``_can_compile_fullgraph``: Llama, Qwen, GPT-2, ...) get a
-    ``StaticCache``: keys/values preallocated for `max_len` and written in place. A
-    ``DynamicCache`` concatenates the whole cache every step, which was over half of the decode
-    time of a tiny Llama on CPU. Others fall back to ``DynamicCache``. `mask` (N, max_len) holds
-    the attention mask of every position and is sliced per step (no re-allocation).
+    Shared prefix (model types in ``_SHARED_PREFIX_TYPES``: Llama, GPT-2): the prompts' keys/values
+    from ONE prefill of the B distinct prompts stay (B, ...) and are read once per group by
+    :func:`_shared_prefix_attention`; each of the N = B*G rows only stores its response
+    keys/values, and attends to exactly the positions written so far. No per-step mask is built
+    (the prompt mask is a fixed (B, 1, 1, Tp) bias), and the G copies of a prompt's keys are
+    never made.
+
+    Other models: a ``StaticCache`` where supported (``_can_compile_fullgraph``: keys/values
+    preallocated for `max_len` and written in place; a ``DynamicCache`` concatenates the whole cache
+    every step, which was over half of the decode time of a tiny Llama on CPU), else a
+    ``DynamicCache``, repeated per group after the prefill; `mask` (N, max_len) holds the attention
+    mask of every position and is sliced per step.
     """
 
-    def __init__(self, model: nn.Module, max_len: int) -> None:
+    def __init__(self, model: nn.Module, max_len: int, shared_prefix: bool | None = None) -> None:
         from transformers import DynamicCache, StaticCache
 
         self.model = model
         self.max_len = max_len
-        self.static = bool(getattr(model, "_can_compile_fullgraph", False))
+        cfg = model.config
+        if shared_prefix is None:
+            shared_prefix = (getattr(cfg, "model_type", None) in _SHARED_PREFIX_TYPES
+                             and not getattr(cfg, "sub_configs", None)
+                             and not getattr(cfg, "add_cross_attention", False))
+        self.shared = shared_prefix
+        self.static = not self.shared and bool(getattr(model, "_can_compile_fullgraph", False))
         if self.static:
-            self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+            self.cache = StaticCache(config=cfg, max_cache_len=max_len)
         else:
-            self.cache = DynamicCache(config=model.config)
+            self.cache = DynamicCache(config=cfg)
         self.key = _cache_kwarg(model)
         self.mask: torch.Tensor | None = None
         self.length = 0
@@ -142,24 +204,53 @@ class HFDecoder:
             layer.batch_size = layer.keys.shape[0]
 
     def prefill(self, input_ids, attention_mask, position_ids, repeats: int) -> torch.Tensor:
-        """Run the prompts once, then repeat cache rows `repeats` times; last logits (B*r, V)."""
+        """Run the prompts once; rows of a group share (or get a copy of) their prompt's cache;
+        last logits (B*r, V)."""
         B, T = input_ids.shape
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self.key: self.cache})
-        if repeats > 1:
-            self._repeat_cache(repeats)
-        self.mask = torch.zeros(B * repeats, self.max_len, dtype=attention_mask.dtype, device=input_ids.device)
-        self.mask[:, :T] = attention_mask.repeat_interleave(repeats, dim=0)
+        if self.shared:
+            self.prefix = [(layer.keys, layer.values) for layer in self.cache.layers]
+            self.cache = _ResponseCache(self.prefix, B * repeats, self.max_len - T)
+            bias = torch.zeros(B, 1, 1, T, dtype=self.prefix[0][0].dtype, device=input_ids.device)
+            self.mask = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        else:
+            if repeats > 1:
+                self._repeat_cache(repeats)
+            self.mask = torch.zeros(B * repeats, self.max_len, dtype=attention_mask.dtype, device=input_ids.device)
+            self.mask[:, :T] = attention_mask.repeat_interleave(repeats, dim=0)
         self.length = T
         return out.logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append one token per row (N,) at `positions` (N,); next-token logits (N, V)."""
+        if self.shared:
+            return self._shared_step(tokens, positions)
         self.mask[:, self.length] = 1
         self.length += 1
         out = self.model(input_ids=tokens[:, None], attention_mask=self.mask[:, : self.length],
                          position_ids=positions[:, None], use_cache=True, logits_to_keep=1,
                          **{self.key: self.cache})
+        return out.logits[:, -1]
+
+    def _shared_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        from transformers import AttentionInterface
+
+        if _SHARED_PREFIX_ATTN not in AttentionInterface._global_mapping:
+            AttentionInterface.register(_SHARED_PREFIX_ATTN, _shared_prefix_attention)
+        cfg = self.model.config
+        impl = cfg._attn_implementation
+        cfg._attn_implementation = _SHARED_PREFIX_ATTN  # this forward only
+        _active.append(self)
+        try:
+            # a 4-D mask is passed through untouched: no mask is built per step
+            out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions[:, None],
+                             use_cache=True, logits_to_keep=1, **{self.key: self.cache})
+        finally:
+            _active.pop()
+            cfg._attn_implementation = impl
+        self.cache.length += 1
+        self.length += 1
         return out.logits[:, -1]
 
 
