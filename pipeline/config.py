@@ -53,6 +53,8 @@ class DataConfig:
     """Arithmetic problems in the held-out evaluation set."""
     arith_max_level: int = 4
     """Hardest curriculum level generated (1: one-digit +/-, ..., 5: two-step three-digit)."""
+    arith_solution: Literal["digits", "lines"] = "digits"
+    """Worked arithmetic solutions: column by column with carries (`digits`) or one line per operation."""
     prompt_template: str = DEFAULT_TEMPLATE
     """The one prompt template for every task; must contain `{question}`."""
     vocab_size: int = 2048
@@ -188,8 +190,8 @@ class WarmupConfig(GRPOConfig):
     """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`)."""
     prompts_per_iter: int = 16
     """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
-    rollout_len: int = 48
-    """Maximum new tokens per completion (a worked arithmetic answer needs about 30)."""
+    rollout_len: int = 72
+    """Maximum new tokens per completion (a column-by-column level-4 answer needs up to ~68)."""
     eval_every: int = 20
     """Iterations between greedy held-out accuracy checks; 0 disables."""
     eval_samples: int = 200

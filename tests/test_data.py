@@ -3,7 +3,9 @@ rewriting, the arithmetic curriculum (seeded, exact, disjoint) and a small end-t
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import random
 import re
 import time
@@ -173,10 +175,18 @@ def test_malformed_rows_are_located_and_the_fraction_rule_applies(tmp_path):
 
 # --------------------------------------------------------------------------- arithmetic curriculum
 
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
 def _value(expr: str) -> int:
-    """Independent check of an expression the generator built (test code only)."""
-    assert set(expr) <= set("0123456789+-*() ")
-    return eval(expr)  # noqa: S307 -- digits, operators and parentheses only (checked above)
+    """Independent check of an expression the generator built: Python's own parser and precedence,
+    integers and + - * only (anything else fails the test), no eval."""
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        assert isinstance(node, ast.BinOp) and type(node.op) in _OPS, ast.dump(node)
+        return _OPS[type(node.op)](ev(node.left), ev(node.right))
+    return ev(ast.parse(expr, mode="eval").body)
 
 
 @settings(max_examples=200, deadline=None)
@@ -189,6 +199,58 @@ def test_every_problem_is_exactly_right(level, seed):
         assert _value(lhs) == int(rhs)
     assert int(p.steps[-1].split(" = ")[1]) == p.answer
     assert ar.solution_text(p).endswith(f".\n<answer>{p.answer}</answer>")
+
+
+@pytest.mark.parametrize(("a", "op", "b", "lines"), [
+    (47, "+", 38, ["7 + 8 = 15", "4 + 3 + 1 = 8", "47 + 38 = 85"]),
+    (3, "+", 20, ["3 + 0 = 3", "3 + 20 = 23"]),  # the lone tens digit is copied, no line
+    (999, "+", 1, ["9 + 1 = 10", "9 + 1 = 10", "9 + 1 = 10", "999 + 1 = 1000"]),
+    (83, "-", 29, ["13 - 9 = 4", "8 - 1 - 2 = 5", "83 - 29 = 54"]),
+    (105, "-", 98, ["15 - 8 = 7", "10 - 1 - 9 = 0", "1 - 1 = 0", "105 - 98 = 7"]),
+    (1000, "-", 1, ["10 - 1 = 9", "10 - 1 = 9", "10 - 1 = 9", "1 - 1 = 0", "1000 - 1 = 999"]),
+    (34, "*", 7, ["4 * 7 = 28", "3 * 7 + 2 = 23", "34 * 7 = 238"]),
+    (5, "*", 34, ["4 * 5 = 20", "3 * 5 + 2 = 17", "5 * 34 = 170"]),
+    (7, "+", 5, ["7 + 5 = 12"]),  # a one-digit fact is its own step
+])
+def test_digit_columns_by_hand(a, op, b, lines):
+    assert ar.worked_lines(a, op, b) == lines
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.integers(0, 9999), op=st.sampled_from("+-*"), b=st.integers(0, 9999))
+def test_digit_columns_are_true_one_digit_steps(a, op, b):
+    if op == "-" and b > a:
+        a, b = b, a
+    if op == "*":
+        b %= 10
+    *cols, last = ar.worked_lines(a, op, b)
+    assert last == f"{a} {op} {b} = {_value(f'{a} {op} {b}')}"
+    for line in cols:
+        lhs, rhs = line.split(" = ")
+        assert _value(lhs) == int(rhs)
+        # a column step only ever needs one-digit facts: digits, a carry/borrow of 1 (or a
+        # multiplication carry below 10) and at most one borrowed ten
+        nums = [int(t) for t in lhs.split() if t.isdigit()]
+        assert all(n <= 19 for n in nums) and len(nums) <= 3
+    assert len(cols) <= max(len(str(a)), len(str(b))) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(level=st.integers(1, ar.MAX_LEVEL), seed=st.integers(0, 2**32))
+def test_solution_styles(level, seed):
+    p = ar.sample_problem(level, random.Random(seed))
+    lines = ar.solution_text(p, "lines")
+    assert lines == "".join(f"{s}.\n" for s in p.steps) + f"<answer>{p.answer}</answer>"
+    digits = ar.solution_text(p, "digits")
+    body = digits.removesuffix(f"<answer>{p.answer}</answer>").rstrip("\n").split("\n")
+    for line in body:  # every worked line is true
+        lhs, rhs = line.removesuffix(".").split(" = ")
+        assert _value(lhs) == int(rhs)
+    rest = iter(b.removesuffix(".") for b in body)  # each operation's whole line, in order
+    assert all(step in rest for step in p.steps)
+    assert body[-1] == f"{p.steps[-1]}."
+    with pytest.raises(ValueError, match="'words' is not one of"):
+        ar.solution_text(p, "words")
 
 
 def test_levels_match_their_description():

@@ -8,8 +8,14 @@ Levels (by digits and operations):
   5  three-digit: +/-, * one-digit, two steps 482 + 369, 517 * 6, 340 + 12 * 7
 Results are never negative. Multiplication is written `*`, as in GSM8K's worked solutions.
 
-A problem's question is one of a few phrasings of its expression; its solution is one worked line per
-operation then `<answer>N</answer>`, the same shape as a rewritten GSM8K solution. The held-out set
+A problem's question is one of a few phrasings of its expression; its solution is worked lines then
+`<answer>N</answer>`, the same shape as a rewritten GSM8K solution. Two solution formats:
+  lines   one line per operation                      47 + 38 = 85.
+  digits  column by column, units first, then the     7 + 8 = 15.  4 + 3 + 1 = 8.  47 + 38 = 85.
+          whole operation (the default)
+With `digits` every multi-digit problem is made of the same few one-digit facts (with carries and
+borrows written out), so what a model learns on one problem carries over to unseen ones; with `lines`
+a two-digit sum is one opaque step. The held-out set
 has distinct expressions, none of which appear in the training stream (disjoint by expression, so a
 rephrasing does not leak). Both sets have every level equally often (levels round-robin, shuffled).
 """
@@ -34,6 +40,7 @@ class Problem:
     expr: str  # the expression as shown in the question, e.g. "3 + 4 * 5"
     steps: tuple[str, ...]  # worked lines, e.g. ("4 * 5 = 20", "3 + 20 = 23")
     answer: int
+    ops: tuple[tuple[int, str, int], ...] = ()  # the operations in order, e.g. ((4, "*", 5), (3, "+", 20))
 
 
 def _binary(a: int, op: str, b: int) -> tuple[str, int]:
@@ -42,11 +49,67 @@ def _binary(a: int, op: str, b: int) -> tuple[str, int]:
     return f"{a} {op} {b}", value
 
 
+def _columns_add(a: int, b: int) -> list[str]:
+    """Column lines of `a + b`, units first: "7 + 8 = 15", then "4 + 3 + 1 = 8" with the carry."""
+    lines, carry, i = [], 0, 0
+    da, db = str(a)[::-1], str(b)[::-1]
+    while i < max(len(da), len(db)) or carry:
+        terms = [int(s[i]) for s in (da, db) if i < len(s)] + ([carry] if carry else [])
+        total = sum(terms)
+        if len(terms) > 1:  # a lone digit is copied as is, no line
+            lines.append(" + ".join(map(str, terms)) + f" = {total}")
+        carry, i = total // 10, i + 1
+    return lines
+
+
+def _columns_sub(a: int, b: int) -> list[str]:
+    """Column lines of `a - b` (a >= b), units first, borrowing: "13 - 9 = 4", then "8 - 1 - 2 = 5"."""
+    lines, borrow = [], 0
+    da, db = str(a)[::-1], str(b)[::-1]
+    for i in range(len(da)):
+        x, y = int(da[i]), int(db[i]) if i < len(db) else None
+        if y is None and not borrow:
+            continue  # copied as is
+        need = 1 if x - borrow - (y or 0) < 0 else 0
+        terms = [x + 10 * need] + ([borrow] if borrow else []) + ([y] if y is not None else [])
+        lines.append(" - ".join(map(str, terms)) + f" = {terms[0] - sum(terms[1:])}")
+        borrow = need
+    return lines
+
+
+def _columns_mul(a: int, b: int) -> list[str]:
+    """Column lines of `a * b` with one-digit b, units first: "4 * 7 = 28", then "3 * 7 + 2 = 23"."""
+    lines, carry = [], 0
+    for ch in str(a)[::-1]:
+        product = int(ch) * b + carry
+        lines.append(f"{ch} * {b}" + (f" + {carry}" if carry else "") + f" = {product}")
+        carry = product // 10
+    return lines
+
+
+def worked_lines(a: int, op: str, b: int) -> list[str]:
+    """The lines of one operation in the `digits` format: its column steps then the whole equation."""
+    expr, value = _binary(a, op, b)
+    if a < 10 and b < 10:
+        return [f"{expr} = {value}"]  # a one-digit fact is its own step
+    if op == "+":
+        cols = _columns_add(a, b)
+    elif op == "-":
+        cols = _columns_sub(a, b)
+    elif b < 10:
+        cols = _columns_mul(a, b)
+    elif a < 10:
+        cols = _columns_mul(b, a)
+    else:
+        cols = []  # a long multiplication is not broken down
+    return [*cols, f"{expr} = {value}"]
+
+
 def _one_step(level: int, a: int, op: str, b: int) -> Problem:
     if op == "-" and b > a:
         a, b = b, a
     expr, value = _binary(a, op, b)
-    return Problem(level, expr, (f"{expr} = {value}",), value)
+    return Problem(level, expr, (f"{expr} = {value}",), value, ((a, op, b),))
 
 
 def _two_step(level: int, rng: random.Random, lo: int, hi: int) -> Problem:
@@ -56,24 +119,28 @@ def _two_step(level: int, rng: random.Random, lo: int, hi: int) -> Problem:
     if shape == 0:  # a + b * c
         inner, v = _binary(b, "*", c)
         outer, ans = _binary(a, "+", v)
-        return Problem(level, f"{a} + {inner}", (f"{inner} = {v}", f"{outer} = {ans}"), ans)
+        return Problem(level, f"{a} + {inner}", (f"{inner} = {v}", f"{outer} = {ans}"), ans,
+                       ((b, "*", c), (a, "+", v)))
     if shape == 1:  # (a - b) + c
         b = rng.randint(1, a)
         c = rng.randint(lo, hi)
         inner, v = _binary(a, "-", b)
         outer, ans = _binary(v, "+", c)
-        return Problem(level, f"({inner}) + {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans)
+        return Problem(level, f"({inner}) + {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans,
+                       ((a, "-", b), (v, "+", c)))
     if shape == 2:  # (a + b) * c, with a small enough to keep the product modest
         a = rng.randint(lo, max(lo, hi // 2))
         inner, v = _binary(a, "+", b)
         outer, ans = _binary(v, "*", c)
-        return Problem(level, f"({inner}) * {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans)
+        return Problem(level, f"({inner}) * {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans,
+                       ((a, "+", b), (v, "*", c)))
     # a * b - c with 0 <= c <= a * b
     a = rng.randint(2, 9) if hi < 100 else rng.randint(lo, hi)
     inner, v = _binary(a, "*", b)
     c = rng.randint(0, v)
     outer, ans = _binary(v, "-", c)
-    return Problem(level, f"{inner} - {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans)
+    return Problem(level, f"{inner} - {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans,
+                   ((a, "*", b), (v, "-", c)))
 
 
 def _level1(rng: random.Random) -> Problem:
@@ -114,15 +181,24 @@ def sample_problem(level: int, rng: random.Random) -> Problem:
     return GENERATORS[level](rng)
 
 
-def solution_text(p: Problem) -> str:
-    """Worked lines then the tagged answer, e.g. "4 * 5 = 20.\\n3 + 20 = 23.\\n<answer>23</answer>"."""
-    return "".join(f"{s}.\n" for s in p.steps) + format_answer(p.answer)
+SOLUTION_STYLES = ("digits", "lines")
 
 
-def to_row(p: Problem, row_id: str, rng: random.Random, template: str) -> dict[str, Any]:
+def solution_text(p: Problem, style: str = "digits") -> str:
+    """Worked lines then the tagged answer, e.g. "4 * 5 = 20.\\n3 + 20 = 23.\\n<answer>23</answer>" (lines)."""
+    if style == "lines":
+        steps = list(p.steps)
+    elif style == "digits":
+        steps = [line for a, op, b in p.ops for line in worked_lines(a, op, b)]
+    else:
+        raise ValueError(f"arithmetic solution style {style!r} is not one of {SOLUTION_STYLES}")
+    return "".join(f"{s}.\n" for s in steps) + format_answer(p.answer)
+
+
+def to_row(p: Problem, row_id: str, rng: random.Random, template: str, style: str = "digits") -> dict[str, Any]:
     question = rng.choice(PHRASINGS).format(e=p.expr)
     return {"id": row_id, "source": "arith", "question": question, "prompt": format_prompt(question, template),
-            "gold": float(p.answer), "solution": solution_text(p), "level": p.level}
+            "gold": float(p.answer), "solution": solution_text(p, style), "level": p.level}
 
 
 def _levels(n: int, max_level: int, rng: random.Random) -> list[int]:
@@ -132,7 +208,7 @@ def _levels(n: int, max_level: int, rng: random.Random) -> list[int]:
 
 
 def generate_curriculum(train_size: int, eval_size: int, max_level: int, seed: int,
-                        template: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                        template: str, style: str = "digits") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(training stream, held-out set): seeded, every level equally often, disjoint by expression."""
     if not 1 <= max_level <= MAX_LEVEL:
         raise ValueError(f"max_level must be in 1..{MAX_LEVEL}, got {max_level}")
@@ -148,7 +224,7 @@ def generate_curriculum(train_size: int, eval_size: int, max_level: int, seed: i
             raise InputError(f"data.arith_eval_size = {eval_size} is too large: level {level} has too few "
                              f"distinct problems for {eval_size // max_level + 1} held-out ones")
         held_out.add(p.expr)
-        eval_rows.append(to_row(p, f"arith-eval-{i:05d}", rng_eval, template))
+        eval_rows.append(to_row(p, f"arith-eval-{i:05d}", rng_eval, template, style))
     train_rows = []
     for i, level in enumerate(_levels(train_size, max_level, rng_train)):
         for _ in range(10_000):
@@ -157,5 +233,5 @@ def generate_curriculum(train_size: int, eval_size: int, max_level: int, seed: i
                 break
         else:
             raise InputError(f"data.arith_eval_size = {eval_size} leaves no level-{level} problems for training")
-        train_rows.append(to_row(p, f"arith-train-{i:06d}", rng_train, template))
+        train_rows.append(to_row(p, f"arith-train-{i:06d}", rng_train, template, style))
     return train_rows, eval_rows
