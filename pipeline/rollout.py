@@ -197,15 +197,24 @@ def compute_logprobs(policy: Policy, input_ids: torch.Tensor, attention_mask: to
     `start`: the first column whose log-prob is wanted (GRPO: the response start); earlier columns
     come back 0 and their vocabulary projection + logsumexp is skipped. That is most of the
     (N, T, V) work when prompts are longer than responses (1.27x on a GRPO update on CPU).
+
+    `group_size`: rows come in groups of that many that share their first `start` columns (a
+    rollout's layout, checked). Each group's prompt then runs once and the responses run on its
+    keys/values repeated per row (:func:`pipeline.model.hf.hf_shared_prefix_logits`,
+    :func:`pipeline.model.gpt.shared_prompt_logits`): same values and gradients, the prompt trunk
+    costs 1/G (2x on the log-prob and update phases of bench/vs_trl.py). Other batches, DDP and
+    torch.compile take the plain path.
     """
     T = input_ids.shape[1]
     start = max(1, min(start, T))
     if _prefix_shared(policy, input_ids, attention_mask, start, group_size):
-        from pipeline.model.hf import hf_shared_prefix_logits
-
+        if policy.backend == "hf":
+            from pipeline.model.hf import hf_shared_prefix_logits as shared_logits
+        else:
+            from pipeline.model.gpt import shared_prompt_logits as shared_logits
         with policy.autocast():
-            logits = hf_shared_prefix_logits(policy.module, input_ids, attention_mask,
-                                             positions_from_mask(attention_mask), start, group_size)
+            logits = shared_logits(policy.module, input_ids, attention_mask, positions_from_mask(attention_mask),
+                                   start, group_size)
         return _gather_logprobs(logits, input_ids, attention_mask, temperature, start)
     head = _output_head(policy.module) if start > 1 else None
     hook = head.register_forward_pre_hook(lambda _m, args: (args[0][:, start - 1:],)) if head is not None else None
@@ -231,11 +240,11 @@ def _gather_logprobs(logits, input_ids, attention_mask, temperature: float, star
 
 
 def _prefix_shared(policy: Policy, input_ids, attention_mask, start: int, group: int) -> bool:
-    """Whether the shared-prompt path applies: HF backend run directly (not DDP / compiled: those
+    """Whether the shared-prompt path applies: the module run directly (not DDP / compiled: those
     need one forward per backward), group-contiguous rows whose first `start` columns agree within
     each group (what a rollout hands over; checked, so any other batch takes the plain path)."""
     N = input_ids.shape[0]
-    if group <= 1 or start <= 1 or N % group or policy.backend != "hf" or policy.runner is not policy.module:
+    if group <= 1 or start <= 1 or N % group or policy.runner is not policy.module:
         return False
     B = N // group
     for t in (input_ids[:, :start], attention_mask[:, :start]):

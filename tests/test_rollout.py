@@ -122,7 +122,7 @@ def test_logprobs_from_response_start_equal_the_full_computation(any_policy):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_shared_prompt_logprobs_equal_the_plain_computation(any_policy, temperature):
-    """`group_size=` runs each group's prompt once (HF backend) and the responses on its cache:
+    """`group_size=` runs each group's prompt once (both backends) and the responses on its keys:
     same log-probs and same gradient as one full forward, with rows of different lengths."""
     from pipeline.rollout import _prefix_shared
 
@@ -132,7 +132,7 @@ def test_shared_prompt_logprobs_equal_the_plain_computation(any_policy, temperat
                         generator=gen(5), stop_ids=stops)
     ids, mask, P = r.input_ids, r.attention_mask, r.prompt_len
     assert len(set(r.response_lengths.tolist())) > 1  # right padding inside the response block
-    assert _prefix_shared(any_policy, ids, mask, P, 4) == (any_policy.backend == "hf")
+    assert _prefix_shared(any_policy, ids, mask, P, 4)
     assert not _prefix_shared(any_policy, ids.roll(1, 0), mask.roll(1, 0), P, 4)  # groups mixed: plain path
     with torch.no_grad():
         plain = compute_logprobs(any_policy, ids, mask, temperature, start=P)

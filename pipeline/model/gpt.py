@@ -13,7 +13,8 @@ Pad queries attend to themselves only, which keeps them finite; their outputs ar
 Incremental decoding: a :class:`KVCache` preallocates keys/values for ``max_len`` positions; a
 forward with ``cache=`` writes its keys/values at ``cache.length`` and attends over everything
 written so far, so a new token costs one position, not the whole prefix. For G samples per
-prompt the G rows share one copy of the prompt's keys (:func:`shared_prefix_attention`).
+prompt the G rows share one copy of the prompt's keys (:func:`shared_prefix_attention`). The GRPO
+log-prob passes do the same with gradients (:func:`shared_prompt_logits`, :class:`PromptKV`).
 
 The seed's size (24 layers, 1024 wide, 16 heads, context 1024, vocab 2048) is ~405.8M parameters
 with learned positions and ~404.8M with rope: 16 * n_embd^2 per block (4 attention + 12 SwiGLU).
@@ -108,6 +109,55 @@ class KVCache:
         return out
 
 
+class PromptKV:
+    """Keys/values of a prompt pass kept as a list (no in-place cache writes, so autograd can
+    differentiate through them): the GRPO log-prob passes over G rows per prompt.
+
+    Pass it as ``prompt_kv=`` to a forward of the B distinct prompts (each layer's keys/values
+    are recorded), set ``attending = True``, then to a forward of the N = B*group rows' next
+    columns: each row attends to its prompt's keys (repeated per row; the gradient sums over the
+    group) and causally to its own columns, as one full forward would.
+    """
+
+    def __init__(self, prompt_mask: torch.Tensor, group: int) -> None:
+        self.prompt_mask = prompt_mask.bool()  # (B, Tp)
+        self.group = group
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.attending = False
+
+    def keys_values(self, k, v, layer: int):
+        if not self.attending:
+            self.kv.append((k, v))
+            return k, v
+        kp, vp = self.kv[layer]
+        return (torch.cat([kp.repeat_interleave(self.group, dim=0), k], dim=2),
+                torch.cat([vp.repeat_interleave(self.group, dim=0), v], dim=2))
+
+    def mask(self, attention_mask: torch.Tensor | None, T: int, N: int, device) -> torch.Tensor:
+        """(N, 1, T, Tp + T) bool: every real prompt key, causal own keys, each query sees itself."""
+        own = torch.ones(N, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+        q_pos = torch.arange(T, device=device)[:, None]
+        k_pos = torch.arange(T, device=device)[None, :]
+        resp = ((k_pos <= q_pos) & own[:, None, None, :]) | (k_pos == q_pos)  # (N, 1, T, T)
+        prompt = self.prompt_mask.repeat_interleave(self.group, dim=0)[:, None, None, :]
+        return torch.cat([prompt.expand(N, 1, T, prompt.shape[-1]), resp], dim=-1)
+
+
+def shared_prompt_logits(model: GPT, input_ids, attention_mask, position_ids, start: int, group: int):
+    """Logits at positions ``start-1 .. T-2`` (N, T-start, V) of group-contiguous rows whose first
+    `start` columns agree within each group: the prompt runs once per group (:class:`PromptKV`)."""
+    T = input_ids.shape[1]
+    kv = PromptKV(attention_mask[::group, :start], group)
+    first = model(input_ids[::group, :start], attention_mask[::group, :start], position_ids[::group, :start],
+                  last_only=True, prompt_kv=kv).repeat_interleave(group, dim=0)  # (N, 1, V)
+    if T - 1 == start:
+        return first
+    kv.attending = True
+    rest = model(input_ids[:, start:T - 1], attention_mask[:, start:T - 1], position_ids[:, start:T - 1],
+                 prompt_kv=kv)  # (N, T-1-start, V)
+    return torch.cat([first, rest], dim=1)
+
+
 def _rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (block_size, head_dim) in HF Llama's rotate-half layout."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
@@ -149,6 +199,11 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if isinstance(cache, PromptKV):  # GRPO log-prob passes: prompt once per group (autograd-safe)
+            k, v = cache.keys_values(k, v, layer)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                               dropout_p=self.dropout if self.training else 0.0)
+            return F.dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)), self.dropout, self.training)
         if cache is not None:
             start, end = cache.length, cache.length + T
             cache.k[layer, :, :, start:end] = k
@@ -266,7 +321,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, prompt_kv: PromptKV | None = None) -> torch.Tensor:
         """Logits (B, T, V), or (B, 1, V) with `last_only`.
 
         With `cache`, `idx` holds the next T tokens of every row, appended at `cache.length`;
@@ -291,11 +346,15 @@ class GPT(nn.Module):
         else:
             rope = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])  # (B, 1, T, D)
         x = self.drop(x)
-        if attention_mask is not None and cache is None and bool(attention_mask.all()):
-            attention_mask = None  # no padding: use the causal fast path
-        attn_mask = self._attn_mask(attention_mask, cache, T)
+        if prompt_kv is not None and prompt_kv.attending:
+            attn_mask = prompt_kv.mask(attention_mask, T, B, idx.device)
+        else:
+            if attention_mask is not None and cache is None and bool(attention_mask.all()):
+                attention_mask = None  # no padding: use the causal fast path
+            attn_mask = self._attn_mask(attention_mask, cache, T)
+        layer_cache = cache if prompt_kv is None else prompt_kv
         for i, block in enumerate(self.h):
-            x = block(x, rope, attn_mask, cache, i)
+            x = block(x, rope, attn_mask, layer_cache, i)
         if cache is not None:
             cache.length += T
         if last_only:
