@@ -19,7 +19,7 @@ The peak is the best fp32 ``torch.mm`` of 2048x2048 at the same thread count, me
 after the iterations in the same process (the larger is used).
 
     .venv/bin/python bench/grpo_iteration.py [--params params.yaml] [--set grpo.group_size=16 ...]
-        [--gsm8k PATH] [--threads 1] [--iters 1]
+        [--gsm8k PATH] [--threads 1] [--iters 1] [--ab-full-logits] [--ab-shared-prompt]
 
 The last line printed is a JSON object.
 """
@@ -48,15 +48,21 @@ def model_dims(policy) -> tuple[int, int, int, int]:
 
 
 def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, steps: int, ref: bool,
-                    old: bool) -> dict:
+                    old: bool, shared: bool = False) -> dict:
     """FLOPs of each phase for B prompts of padded width Tp, `rows` = B*G rows, `steps` decode steps.
     N includes the LM head (H params), which the prefill applies to the last prompt position only and
-    the log-prob passes to the response columns only (compute_logprobs `start`)."""
+    the log-prob passes to the response columns only (compute_logprobs `start`). `shared`: the
+    log-prob passes run each prompt once per group (compute_logprobs `group_size`), the responses
+    on top of it."""
     attn = 4 * L * C
     T = Tp + steps
     prefill = 2 * (N - H) * B * Tp + 2 * H * B + attn * B * Tp * Tp / 2
     decode = 2 * N * rows * steps + attn * rows * sum(Tp + t + 1 for t in range(steps))
-    fwd_full = 2 * (N - H) * rows * T + 2 * H * rows * (steps + 1) + attn * rows * T * T / 2  # one forward pass
+    if shared:  # one forward pass: B prompts, then the rows' response columns attending to prompt + own keys
+        fwd_full = (2 * (N - H) * (B * Tp + rows * steps) + 2 * H * rows * (steps + 1)
+                    + attn * (B * Tp * Tp / 2 + rows * steps * (Tp + steps / 2)))
+    else:
+        fwd_full = 2 * (N - H) * rows * T + 2 * H * rows * (steps + 1) + attn * rows * T * T / 2
     return {"rollout": prefill + decode, "logprobs": fwd_full * (int(ref) + int(old)), "update": 3 * fwd_full,
             "scoring": 0.0}
 
@@ -73,7 +79,11 @@ def main() -> None:
     ap.add_argument("--ab-full-logits", action="store_true",
                     help="also time a twin trainer (same seeds, so the same prompts and widths) whose log-prob "
                          "passes project every column onto the vocabulary (compute_logprobs start=1, the old "
-                         "behaviour), alternating iteration by iteration")
+                         "behaviour; it also turns the shared-prompt path off, which needs start > 1), "
+                         "alternating iteration by iteration")
+    ap.add_argument("--ab-shared-prompt", action="store_true",
+                    help="also time a twin trainer whose log-prob passes run every row's prompt "
+                         "(compute_logprobs group_size=1: no shared prompt), alternating")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -112,7 +122,7 @@ def main() -> None:
             lp = train_mod.compute_logprobs
 
             def full():
-                train_mod.compute_logprobs = lambda *a, start=1, **k: lp(*a, **k)
+                train_mod.compute_logprobs = lambda *a, start=1, group_size=1, **k: lp(*a, **k)
                 try:
                     twin.iteration()
                     twin.it += 1
@@ -120,6 +130,22 @@ def main() -> None:
                     train_mod.compute_logprobs = lp
 
             runs["full_logits"] = full
+        if args.ab_shared_prompt:
+            import pipeline.stages.train as train_mod
+
+            twin2 = GRPOTrainer(cfg, args.stage)
+            twin2.setup()
+            lp2 = train_mod.compute_logprobs
+
+            def per_row():
+                train_mod.compute_logprobs = lambda *a, group_size=1, **k: lp2(*a, **k)
+                try:
+                    twin2.iteration()
+                    twin2.it += 1
+                finally:
+                    train_mod.compute_logprobs = lp2
+
+            runs["per_row_prompts"] = per_row
         all_times = alternate(runs, args.iters)
         times = all_times["iteration"]
         metrics = metrics[1:]  # drop the warm-up
@@ -130,7 +156,10 @@ def main() -> None:
     B, rows, Tp = g.prompts_per_iter, ro.input_ids.shape[0], ro.prompt_len
     steps = ro.input_ids.shape[1] - Tp
     single = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter)
-    flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=not single)
+    from pipeline.rollout import _prefix_shared
+
+    shared = _prefix_shared(policy, ro.input_ids, ro.attention_mask, Tp, g.group_size)
+    flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=not single, shared=shared)
     wall = median(times)
     mid = min(range(len(times)), key=lambda i: abs(times[i] - wall))  # the (closest to) median iteration
     phase_s = {p: metrics[mid][f"time_{p}"] for p in PHASES}  # its phases, so they add up to its wall time
@@ -142,7 +171,8 @@ def main() -> None:
     print(machine_line(args.threads))
     print(f"model: {policy.backend}, {N / 1e6:.2f}M matmul params, {L}x{C}; {B} prompts x G={g.group_size}, "
           f"prompt width {Tp}, {steps} decode steps, {gen_tokens:.0f} generated tokens; kl_coef {g.kl_coef}; "
-          f"prepare took {t_prep:.1f}s (not timed); random init")
+          f"prepare took {t_prep:.1f}s (not timed); random init; log-prob passes "
+          + ("run each prompt once per group" if shared else "run every row's prompt"))
     print(f"matmul peak (fp32 2048^3 mm, {args.threads} thread(s)): {peak / 1e9:.1f} GFLOP/s")
     print(f"iteration: {wall:.3f}s (median of {len(times)}: " + ", ".join(f"{t:.3f}" for t in times) + ")")
     print(f"{'phase':10s} {'s':>8s} {'share':>6s} {'GFLOP':>8s} {'GFLOP/s':>8s} {'of peak':>8s}")
@@ -160,6 +190,12 @@ def main() -> None:
               "full_logits_times": [round(t, 4) for t in all_times["full_logits"]]}
         print(f"A/B: vocabulary projection on every column {full_s:.3f}s vs response columns only {wall:.3f}s "
               f"= {full_s / wall:.2f}x (" + ", ".join(f"{t:.3f}" for t in all_times["full_logits"]) + ")")
+    if args.ab_shared_prompt:
+        row_s = median(all_times["per_row_prompts"])
+        ab.update({"per_row_prompts_s": round(row_s, 4), "shared_prompt_speedup": round(row_s / wall, 3),
+                   "per_row_prompts_times": [round(t, 4) for t in all_times["per_row_prompts"]]})
+        print(f"A/B: every row's prompt in the log-prob passes {row_s:.3f}s vs once per group {wall:.3f}s "
+              f"= {row_s / wall:.2f}x (" + ", ".join(f"{t:.3f}" for t in all_times["per_row_prompts"]) + ")")
     emit({"bench": "grpo_iteration", "params": args.params, "overrides": args.overrides, "threads": args.threads,
           "seconds_per_iteration": round(wall, 4), "times": [round(t, 4) for t in times],
           "phases_s": {k: round(v, 4) for k, v in phase_s.items()},
@@ -167,7 +203,7 @@ def main() -> None:
           "gflop_per_iteration": round(total_flops / 1e9, 3), "gflop_s": round(rate / 1e9, 3),
           "matmul_peak_gflop_s": round(peak / 1e9, 2), "fraction_of_peak": round(rate / peak, 4),
           "generated_tokens": gen_tokens, "tokens_per_s": round(gen_tokens / wall, 1),
-          "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps, **ab})
+          "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps, "shared_prompt": shared, **ab})
 
 
 if __name__ == "__main__":

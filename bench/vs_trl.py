@@ -16,7 +16,7 @@ Alternation: TRL's training loop drives; a callback runs ONE of our iterations a
 wall time between consecutive ``on_step_end`` calls minus our iteration, i.e. everything TRL does
 per step. The first step of each is a warm-up and dropped.
 
-    make bench-venv && .venv-bench/bin/python bench/vs_trl.py [--repeats 3] [--threads 1]
+    make bench-venv && .venv-bench/bin/python bench/vs_trl.py [--repeats 3] [--threads 1] [--ab-shared-prefix]
 
 The last line printed is a JSON object with ``trl_s``, ``ours_s`` and ``speedup`` (trl_s / ours_s).
 """
@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--ab-shared-prefix", action="store_true",
+                    help="also time our iteration with the shared-prompt log-prob path off (an extra arm after ours)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -95,6 +97,7 @@ def main() -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    import pipeline.rollout as rollout_mod
     from pipeline.rewards.verifiers import reward_for
 
     verifier = reward_for("arith")
@@ -108,6 +111,7 @@ def main() -> None:
         data = arith_rows(PROMPTS)
         ours = ours_trainer(model_dir, data)
         ours_times: list[float] = []
+        plain_times: list[float] = []
         trl_marks: list[float] = []
 
         class Interleave(TrainerCallback):
@@ -117,6 +121,13 @@ def main() -> None:
                 ours.iteration()
                 ours.it += 1
                 ours_times.append(time.perf_counter() - t0)
+                if args.ab_shared_prefix:  # the same iteration with every group's prompt recomputed per row
+                    shared, rollout_mod._prefix_shared = rollout_mod._prefix_shared, lambda *a: False
+                    t0 = time.perf_counter()
+                    ours.iteration()
+                    ours.it += 1
+                    plain_times.append(time.perf_counter() - t0)
+                    rollout_mod._prefix_shared = shared
                 trl_marks.append(time.perf_counter())  # TRL's next step starts now
 
         config = GRPOConfig(
@@ -146,10 +157,17 @@ def main() -> None:
     print(f"  ours (hf)        {ours_s:7.3f} s/iteration  (warm-up {ours_times[0]:.2f}s; "
           + ", ".join(f"{t:.3f}" for t in ours_times[1:]) + ")")
     print(f"  speedup (TRL / ours): {trl_s / ours_s:.2f}x")
+    extra = {}
+    if plain_times:
+        plain_s = median(plain_times[1:])
+        print(f"  ours, prompts recomputed per row {plain_s:7.3f} s/iteration ("
+              + ", ".join(f"{t:.3f}" for t in plain_times[1:]) + f"): shared prompts {plain_s / ours_s:.2f}x")
+        extra = {"ours_plain_s": round(plain_s, 4), "shared_prefix_speedup": round(plain_s / ours_s, 3),
+                 "ours_plain_times": [round(t, 4) for t in plain_times]}
     emit({"bench": "vs_trl", "trl_version": trl.__version__, "transformers_version": transformers.__version__,
           "threads": args.threads, "params": n_params, "trl_s": round(trl_s, 4), "ours_s": round(ours_s, 4),
           "speedup": round(trl_s / ours_s, 3), "trl_times": [round(t, 4) for t in trl_times],
-          "ours_times": [round(t, 4) for t in ours_times]})
+          "ours_times": [round(t, 4) for t in ours_times], **extra})
 
 
 if __name__ == "__main__":
