@@ -60,6 +60,15 @@ def mean_across_ranks(metrics: dict[str, float]) -> dict[str, Any]:
     return {k: t[i].item() for i, k in enumerate(keys)}
 
 
+def max_across_ranks(value: int) -> int:
+    """The largest `value` over ranks (every rank gets it)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def all_true(flag: bool) -> bool:
     """True on every rank iff true on all ranks (so all ranks skip a non-finite step together)."""
     if not dist.is_initialized():

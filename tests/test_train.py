@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
@@ -286,11 +288,41 @@ def test_adaptive_curriculum_leaves_early_and_logs_why(workdir):
     assert "leaving the warmup early" in summary["adaptive"][0]
 
 
-def test_nproc_2_relaunches_under_torchrun_and_rank0_saves(workdir):
-    """grpo.nproc=2 on CPU: the stage runs itself under torchrun (gloo); rank 0 writes the outputs."""
-    res = _run_cli("warmup", "warmup.nproc=2", "warmup.iterations=2", "warmup.eval_every=0", cwd=workdir)
+@pytest.mark.parametrize("dynamic", ["false", "true"])
+def test_nproc_2_relaunches_under_torchrun_and_rank0_saves(workdir, dynamic):
+    """grpo.nproc=2 on CPU: the stage runs itself under torchrun (gloo); rank 0 writes the outputs.
+    With dynamic sampling the ranks top up in lockstep rounds (a collective per round): no hang."""
+    res = _run_cli("warmup", "warmup.nproc=2", "warmup.iterations=2", "warmup.eval_every=0",
+                   f"warmup.dynamic_sampling={dynamic}", "warmup.max_sampling_rounds=3", cwd=workdir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (workdir / "checkpoints" / "warmup" / "model.safetensors").is_file()
     rows = _csv_rows(workdir / "plots" / "warmup.csv")
     assert [r["iteration"] for r in rows] == ["1", "2"]
     assert not (workdir / "checkpoints" / "warmup.resume").exists()
+
+
+# --------------------------------------------------------------------------- prompt sampling under DDP
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(5, 40), world=st.integers(1, 4), seed=st.integers(0, 1000),
+       rounds=st.lists(st.lists(st.integers(0, 6), min_size=4, max_size=4), min_size=1, max_size=6))
+def test_ranks_draw_in_step_and_never_share_a_prompt(n, world, seed, rounds):
+    """Dynamic sampling: ranks top up different numbers of groups per round. Each rank's sampler
+    must stay at the same position as the others' (else later iterations overlap) and no two ranks
+    may get the same prompt in a round (within one epoch of the permutation)."""
+    from pipeline.stages.train_state import PromptSampler
+
+    samplers = [PromptSampler(n, seed) for _ in range(world)]
+    plain = PromptSampler(n, seed)
+    for needs in rounds:
+        needs = needs[:world]
+        need_max = max(needs)
+        before = samplers[0].state()["pos"] % n  # where this round's draw starts in the permutation
+        shards = [s.next_shard(needs[r], need_max, r, world) for r, s in enumerate(samplers)]
+        assert [len(x) for x in shards] == needs
+        assert len({s.state()["epoch"] * n + s.state()["pos"] for s in samplers}) == 1  # in step
+        if before + need_max * world <= n:  # the round stays inside one permutation: all distinct
+            flat = [i for x in shards for i in x]
+            assert len(flat) == len(set(flat))
+        if world == 1:
+            assert shards[0] == plain.next(needs[0])  # one process: exactly the plain draw

@@ -255,9 +255,16 @@ class GRPOTrainer:
         kept: list[tuple[Rollout, list[int]]] = []
         kept_rewards: list[torch.Tensor] = []
         dropped, rounds, times = 0, 0, {"rollout": 0.0, "scoring": 0.0}
-        while len(kept_rows) < per_rank and rounds < g.max_sampling_rounds:
+        while rounds < g.max_sampling_rounds:
             need = per_rank - len(kept_rows)
-            idx = self.sampler.next(need * self.world)[self.rank * need:(self.rank + 1) * need]
+            # all ranks draw together (same sampler positions, disjoint prompts) until none needs more
+            need_max = dist_utils.max_across_ranks(need)
+            if need_max == 0:
+                break
+            idx = self.sampler.next_shard(need, need_max, self.rank, self.world)
+            rounds += 1
+            if not idx:  # this rank is full; it still drew so that its sampler stays in step
+                continue
             rows = [self.train_rows[i] for i in idx]
             t0 = time.perf_counter()
             ro = rollout_prompts(self.policy, [r["prompt"] for r in rows], G, g.rollout_len, g.temperature,
@@ -266,7 +273,6 @@ class GRPOTrainer:
             rewards = self._score(rows, ro.texts).view(-1, G)          # (prompts, G)
             times["rollout"] += t1 - t0
             times["scoring"] += time.perf_counter() - t1
-            rounds += 1
             informative = rewards.std(dim=1) > 1e-6
             for j, row in enumerate(rows):
                 # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)

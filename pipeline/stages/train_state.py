@@ -44,6 +44,17 @@ class PromptSampler:
             self.pos += take
         return out
 
+    def next_shard(self, need: int, need_max: int, rank: int, world: int) -> list[int]:
+        """This rank's `need` fresh indices when every rank draws in the same round.
+
+        Every rank advances the sampler by the same `need_max * world` indices (`need_max`: the
+        largest `need` over ranks), and rank r takes from its own block of `need_max`, so the
+        samplers stay in step and no two ranks get the same prompt, even when dynamic sampling
+        makes ranks top up different numbers of groups. One process: the same as `next(need)`.
+        """
+        drawn = self.next(need_max * world)
+        return drawn[rank * need_max:rank * need_max + need]
+
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}
 
