@@ -24,6 +24,7 @@ from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
 from pipeline.files import write_bytes_atomic, write_json_atomic
 from pipeline.tokenizer import TOKENIZER_FILE, train_tokenizer
+from pipeline.tracking import stage_logger
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,23 @@ def _report_bad(bad: list[BadRow]) -> None:
 
 
 def run_prepare(cfg: Config) -> dict[str, Any]:
+    """The prepare stage, as one MLflow stage run (row counts, rejections and token lengths as
+    metrics, data/stats.json as an artifact) when tracking is on."""
+    with stage_logger(cfg, "prepare") as tracker:  # fails fast, before any work, if MLflow is down
+        result = _prepare(cfg)
+        stats = json.loads(Path(result["outputs"]["stats"]).read_text())
+        metrics = {f"data/{name}_rows": float(n) for name, n in stats["counts"].items()}
+        metrics["data/rejected_rows"] = float(result["rejected"])
+        metrics["data/vocab_size"] = float(stats["vocab_size"])
+        for name, parts in stats["token_lengths"].items():  # e.g. data/arith_train_response_max_tokens
+            for part in ("prompt", "response"):
+                metrics.update({f"data/{name}_{part}_{k}_tokens": float(parts[part][k]) for k in ("mean", "max")})
+        tracker.log_metrics(metrics, step=0)
+        tracker.log_artifact(result["outputs"]["stats"])
+    return result
+
+
+def _prepare(cfg: Config) -> dict[str, Any]:
     d = cfg.data
     out = Path(DATA_DIR)
     raw = load_raw(d.gsm8k_source, d.gsm8k_config)
