@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,3 +42,13 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
 def write_csv_atomic(path: str | Path, df) -> Path:
     text = df.to_csv(index=False, lineterminator="\n")
     return write_bytes_atomic(path, text.encode())
+
+
+def write_series_csv(path: str | Path, rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> Path:
+    """Atomically write a metric series as CSV for `dvc plots`: a header of `columns`, one line per
+    row, floats with 6 significant digits, empty cells for missing (None) values."""
+    def cell(v: Any) -> str:
+        return "" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+    lines = [",".join(columns)] + [",".join(cell(r.get(c)) for c in columns) for r in rows]
+    return write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())

@@ -347,3 +347,14 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="grpo"):
         run_evaluate(cfg)
     assert {p: (tmp_path / p).read_bytes() for p in outputs} == snapshot
+
+
+def test_series_csv_is_one_format_for_every_stage(tmp_path):
+    """sft.csv and the GRPO stages' csv come from one writer: header, 6 significant digits (small
+    values such as an LR of 3e-7 survive), ints as is, empty cells for missing values."""
+    from pipeline.files import write_series_csv
+
+    rows = [{"iteration": 1, "lr": 3e-7, "reward": 0.123456789, "accuracy": None},
+            {"iteration": 2, "lr": 3e-7, "reward": 1.0, "extra": "ignored"}]
+    path = write_series_csv(tmp_path / "s.csv", rows, ["iteration", "lr", "reward", "accuracy"])
+    assert path.read_text() == "iteration,lr,reward,accuracy\n1,3e-07,0.123457,\n2,3e-07,1,\n"

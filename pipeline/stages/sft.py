@@ -38,7 +38,7 @@ from pipeline.checkpoint import init_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config
 from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
-from pipeline.files import write_bytes_atomic
+from pipeline.files import write_series_csv
 from pipeline.model.policy import build_policy
 from pipeline.rewards.parsing import extract_answer
 from pipeline.rewards.verifiers import answers_match
@@ -150,12 +150,8 @@ def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int)
 
 
 def write_series(path: Path, series: dict[int, dict[str, float | None]]) -> Path:
-    def cell(v: float | None) -> str:
-        return "" if v is None else f"{v:.6g}"
-
-    lines = [",".join(CSV_COLUMNS)]
-    lines += [",".join([str(step)] + [cell(series[step].get(c)) for c in CSV_COLUMNS[1:]]) for step in sorted(series)]
-    return write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
+    """sft.csv: one row per logged step (the step is the x axis of `dvc plots`)."""
+    return write_series_csv(path, ({"step": step, **series[step]} for step in sorted(series)), CSV_COLUMNS)
 
 
 # --------------------------------------------------------------------------- stage

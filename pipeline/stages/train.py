@@ -33,6 +33,7 @@ from pipeline import distributed as dist_utils
 from pipeline.checkpoint import load_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig, dump_config
 from pipeline.errors import InputError, TrainingDivergedError
+from pipeline.files import write_series_csv
 from pipeline.grpo import group_advantages, grpo_loss, informative_fraction
 from pipeline.rewards.verifiers import reward_for
 from pipeline.rollout import Rollout, compute_logprobs, rollout_prompts
@@ -237,7 +238,7 @@ class GRPOTrainer:
                     print(f"{self.stage} {self.it}/{self.total_iters}  {info}", flush=True)
                 if self.it % self.g.save_every == 0 and self.it < self.total_iters and is_main:
                     ts.save_resume(self.resume_dir, fp, self)
-                    ts.write_csv(self.csv_path, self.series, CSV_COLUMNS)
+                    write_series_csv(self.csv_path, self.series, CSV_COLUMNS)
 
     # ------------------------------------------------------------------ one iteration
 
@@ -412,7 +413,7 @@ class GRPOTrainer:
             "adaptive": self.adaptive_log,
         }
         if self.rank == 0:
-            ts.write_csv(self.csv_path, self.series, CSV_COLUMNS)
+            write_series_csv(self.csv_path, self.series, CSV_COLUMNS)
             save_policy(self.out_dir, self.policy, extra_state={"stage": self.stage, "fingerprint": fp,
                                                                "summary": summary})
             log.log_artifact(self.csv_path)

@@ -3,19 +3,16 @@ and batch helpers."""
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.checkpoint import (TRAIN_JSON, capture_rng_state, load_training_state, restore_rng_state,
                                  save_training_state)
 from pipeline.errors import CheckpointError
-from pipeline.files import write_bytes_atomic
 from pipeline.rollout import Rollout
 
 if TYPE_CHECKING:
@@ -89,17 +86,6 @@ def select_rollouts(parts: list[tuple[Rollout, list[int]]], pad_id: int) -> Roll
         trunc.append(ro.truncated[idx])
     return Rollout(**{k: torch.cat(v) for k, v in fields.items()}, texts=texts,
                    response_lengths=torch.cat(lengths), truncated=torch.cat(trunc), prompt_len=P)
-
-
-def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
-    """Atomically write the per-iteration series (empty cells for missing values)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: ("" if r.get(k) is None else (round(r[k], 6) if isinstance(r[k], float) else r[k]))
-                    for k in columns})
-    write_bytes_atomic(path, buf.getvalue().encode())
 
 
 # --------------------------------------------------------------------------- resume state
