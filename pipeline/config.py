@@ -222,8 +222,10 @@ class EvalConfig:
     """Prompts per generation batch."""
     max_new_tokens: int = 256
     """Maximum new tokens per completion."""
-    samples: int = 0
-    """k for pass@k / maj@k; 0 disables sampling metrics."""
+    samples: int = 8
+    """k for pass@k / maj@k / pass@1 (mean sample accuracy); 0 disables sampling metrics."""
+    sample_tasks: list[str] = field(default_factory=lambda: ["arith"])
+    """Tasks that get the k samples (`gsm8k`, `arith`); GSM8K sampling costs k greedy passes."""
     temperature: float = 1.0
     """Sampling temperature for pass@k / maj@k."""
     top_p: float = 1.0
@@ -299,6 +301,8 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("evaluate.batch_size", e.batch_size >= 1, "an integer >= 1"),
         ("evaluate.max_new_tokens", e.max_new_tokens >= 1, "an integer >= 1"),
         ("evaluate.samples", e.samples >= 0, "an integer >= 0 (0 = off)"),
+        ("evaluate.sample_tasks", all(x in ("gsm8k", "arith") for x in e.sample_tasks),
+         "a list drawn from gsm8k, arith"),
         ("evaluate.temperature", e.temperature > 0, "a number > 0"),
         ("evaluate.top_p", 0.0 < e.top_p <= 1.0, "a number in (0, 1]"),
         ("evaluate.stages", bool(e.stages) and all(x in ("sft", "warmup", "grpo") for x in e.stages),

@@ -139,14 +139,17 @@ def task_metrics(rows: Sequence[Mapping[str, Any]], samples: int = 0) -> dict[st
     return out
 
 
-def stage_metrics(per_task: Mapping[str, Sequence[Mapping[str, Any]]], samples: int = 0) -> dict[str, float | int]:
+def stage_metrics(per_task: Mapping[str, Sequence[Mapping[str, Any]]],
+                  samples: int | Mapping[str, int] = 0) -> dict[str, float | int]:
     """One stage's flat metrics in a fixed key order; headline keys first.
 
     ``{task}_accuracy`` for each task, then pooled ``format_rate``, ``mean_response_length`` and
-    ``truncation_rate`` over every evaluated example, then per-task details.
+    ``truncation_rate`` over every evaluated example, then per-task details. `samples`: k for every
+    task, or per task (a task not in the mapping was not sampled).
     """
     tasks = [t for t in TASKS if t in per_task] + [t for t in per_task if t not in TASKS]
-    each = {t: task_metrics(per_task[t], samples) for t in tasks}
+    k = {t: samples.get(t, 0) if isinstance(samples, Mapping) else samples for t in tasks}
+    each = {t: task_metrics(per_task[t], k[t]) for t in tasks}
     pooled = [r for t in tasks for r in per_task[t]]
     out: dict[str, float | int] = {f"{t}_accuracy": each[t]["accuracy"] for t in tasks}
     out["format_rate"] = format_rate(pooled)

@@ -312,6 +312,7 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size = 1, 2, 32, 128
     cfg.model.device = "cpu"
     cfg.evaluate.batch_size, cfg.evaluate.max_new_tokens, cfg.evaluate.samples = 2, 6, 2
+    cfg.evaluate.sample_tasks = ["gsm8k"]  # only GSM8K is sampled: no arith_pass_* keys
     corpus = [json.loads(line)["prompt"] + " <answer>3</answer>"
               for line in (tmp_path / "data" / "gsm8k_test.jsonl").read_text().splitlines()]
     tok = train_tokenizer(corpus * 4, vocab_size=300)
@@ -335,6 +336,7 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     assert list(metrics) == ["sft", "warmup", "grpo"]
     for m in metrics.values():
         assert {"gsm8k_accuracy", "arith_accuracy", "format_rate", "gsm8k_pass_at_2", "gsm8k_maj_at_2"} <= set(m)
+        assert not any(k.startswith(("arith_pass", "arith_maj")) for k in m)
         assert m["gsm8k_examples"] == 3 and 0 <= m["mean_response_length"] <= 6
     preds = pd.read_csv(tmp_path / "reports/predictions_sft_gsm8k.csv", keep_default_na=False)
     assert {"question", "gold", "completion", "parsed", "reward", "correct"} <= set(preds.columns)
@@ -358,3 +360,11 @@ def test_series_csv_is_one_format_for_every_stage(tmp_path):
             {"iteration": 2, "lr": 3e-7, "reward": 1.0, "extra": "ignored"}]
     path = write_series_csv(tmp_path / "s.csv", rows, ["iteration", "lr", "reward", "accuracy"])
     assert path.read_text() == "iteration,lr,reward,accuracy\n1,3e-07,0.123457,\n2,3e-07,1,\n"
+
+
+def test_sampling_metrics_only_for_the_sampled_tasks():
+    sampled = [_row(True, True, 3, False, samples_correct=2, pass_at_k=1.0, maj_correct=True)]
+    greedy_only = [_row(False, True, 3, False)]
+    m = ev.stage_metrics({"gsm8k": greedy_only, "arith": sampled}, samples={"arith": 4})
+    assert m["arith_pass_at_1"] == 0.5 and m["arith_pass_at_4"] == 1.0 and m["arith_maj_at_4"] == 1.0
+    assert not any(k.startswith(("gsm8k_pass", "gsm8k_maj")) for k in m)

@@ -2,8 +2,9 @@
 
 For every stage in ``cfg.evaluate.stages`` (checkpoints/<stage>/) and every task, greedy completions
 are generated in batches of ``evaluate.batch_size`` prompts (KV-cached ``rollout_prompts``) and scored
-with the training verifier. With ``evaluate.samples = k > 0``, k seeded samples per problem add
-pass@k and maj@k (see ``pipeline.evaluation``). Outputs, all written atomically:
+with the training verifier. With ``evaluate.samples = k > 0``, k seeded samples per problem of
+each task in ``evaluate.sample_tasks`` (default: the arithmetic set only) add pass@1 (mean sample
+accuracy), pass@k and maj@k (see ``pipeline.evaluation``). Outputs, all written atomically:
 
 - ``metrics/eval.json``: ``{stage: {metric: value}}``, fixed key order, floats to 4 decimals;
 - ``reports/predictions_<stage>_<task>.csv``: one row per problem, for error analysis;
@@ -113,8 +114,9 @@ def generate(policy, prompts: Sequence[str], *, batch_size: int, max_new_tokens:
 
 
 def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
-                  advance: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
-    """Per-example prediction rows of one checkpoint on one task (greedy, plus sampling if enabled)."""
+                  advance: Callable[[int], None] | None = None, samples: int | None = None) -> list[dict[str, Any]]:
+    """Per-example prediction rows of one checkpoint on one task (greedy, plus `samples` sampled
+    completions per problem; default `evaluate.samples`)."""
     e = cfg.evaluate
     prompts = [r["prompt"] for r in rows]
     texts, lengths, truncated = generate(policy, prompts, batch_size=e.batch_size,
@@ -124,7 +126,7 @@ def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
         scored = ev.score_completion(text, row["gold"], row.get("source", "gsm8k"))
         out.append({"id": row.get("id", ""), "question": row.get("question", ""), "gold": row["gold"],
                     "completion": text, **scored, "response_length": length, "truncated": trunc})
-    k = e.samples
+    k = e.samples if samples is None else samples
     if k > 0:
         generator = torch.Generator(device=policy.device).manual_seed(e.seed)
         samples, _, _ = generate(policy, prompts, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
@@ -171,7 +173,8 @@ def _evaluate_all(cfg: Config, data: dict[str, list[dict[str, Any]]], folders: d
     """(rounded metrics {stage: {metric: value}}, predictions {(stage, task): rows})."""
     from pipeline.checkpoint import load_policy
 
-    passes = 1 + (1 if cfg.evaluate.samples > 0 else 0)  # greedy, then the sampled groups
+    e = cfg.evaluate
+    k = {task: e.samples if task in e.sample_tasks else 0 for task in data}
     raw: dict[str, dict[str, float | int]] = {}
     predictions: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with _progress() as progress:
@@ -180,11 +183,12 @@ def _evaluate_all(cfg: Config, data: dict[str, list[dict[str, Any]]], folders: d
             policy.eval()
             per_task = {}
             for task, rows in data.items():
+                passes = 1 + (1 if k[task] > 0 else 0)  # greedy, then the sampled groups
                 bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes)
-                per_task[task] = evaluate_task(policy, rows, cfg,
+                per_task[task] = evaluate_task(policy, rows, cfg, samples=k[task],
                                                advance=lambda n, bar=bar: progress.advance(bar, n))
                 predictions[stage, task] = per_task[task]
-            raw[stage] = ev.stage_metrics(per_task, cfg.evaluate.samples)
+            raw[stage] = ev.stage_metrics(per_task, k)
             del policy
     return ev.round_metrics(raw), predictions
 
