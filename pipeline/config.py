@@ -186,13 +186,13 @@ class GRPOConfig:
 @dataclass
 class WarmupConfig(GRPOConfig):
     # the curriculum's own defaults: short arithmetic answers, more prompts, a longer run
-    iterations: int = 60
-    """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`)."""
+    iterations: int = 300
+    """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`); ~2 s each on 1 CPU core."""
     prompts_per_iter: int = 16
     """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
     rollout_len: int = 72
     """Maximum new tokens per completion (a column-by-column level-4 answer needs up to ~68)."""
-    eval_every: int = 20
+    eval_every: int = 50
     """Iterations between greedy held-out accuracy checks; 0 disables."""
     eval_samples: int = 200
     """Held-out problems in each periodic accuracy check."""
