@@ -67,6 +67,26 @@ def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, 
             "scoring": 0.0}
 
 
+def _twin(cfg, stage: str, patch):
+    """One iteration of a second trainer (same seeds, so the same prompts and widths) with
+    `train.compute_logprobs` replaced by `patch(original)` for the duration of the iteration."""
+    import pipeline.stages.train as train_mod
+
+    twin = train_mod.GRPOTrainer(cfg, stage)
+    twin.setup()
+    original = train_mod.compute_logprobs
+
+    def run() -> None:
+        train_mod.compute_logprobs = patch(original)
+        try:
+            twin.iteration()
+            twin.it += 1
+        finally:
+            train_mod.compute_logprobs = original
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default=str(Path(__file__).resolve().parents[1] / "params.yaml"))
@@ -114,38 +134,10 @@ def main() -> None:
             metrics.append(m)
 
         runs = {"iteration": one}
-        if args.ab_full_logits:
-            import pipeline.stages.train as train_mod
-
-            twin = GRPOTrainer(cfg, args.stage)
-            twin.setup()
-            lp = train_mod.compute_logprobs
-
-            def full():
-                train_mod.compute_logprobs = lambda *a, start=1, group_size=1, **k: lp(*a, **k)
-                try:
-                    twin.iteration()
-                    twin.it += 1
-                finally:
-                    train_mod.compute_logprobs = lp
-
-            runs["full_logits"] = full
-        if args.ab_shared_prompt:
-            import pipeline.stages.train as train_mod
-
-            twin2 = GRPOTrainer(cfg, args.stage)
-            twin2.setup()
-            lp2 = train_mod.compute_logprobs
-
-            def per_row():
-                train_mod.compute_logprobs = lambda *a, group_size=1, **k: lp2(*a, **k)
-                try:
-                    twin2.iteration()
-                    twin2.it += 1
-                finally:
-                    train_mod.compute_logprobs = lp2
-
-            runs["per_row_prompts"] = per_row
+        if args.ab_full_logits:  # log-probs over every column (no `start`, no shared prompt)
+            runs["full_logits"] = _twin(cfg, args.stage, lambda lp: lambda *a, start=1, group_size=1, **k: lp(*a, **k))
+        if args.ab_shared_prompt:  # each row runs its own prompt (no `group_size`)
+            runs["per_row_prompts"] = _twin(cfg, args.stage, lambda lp: lambda *a, group_size=1, **k: lp(*a, **k))
         all_times = alternate(runs, args.iters)
         times = all_times["iteration"]
         metrics = metrics[1:]  # drop the warm-up
