@@ -129,11 +129,11 @@ def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
     k = e.samples if samples is None else samples
     if k > 0:
         generator = torch.Generator(device=policy.device).manual_seed(e.seed)
-        samples, _, _ = generate(policy, prompts, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
+        sampled, _, _ = generate(policy, prompts, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
                                  group_size=k, greedy=False, temperature=e.temperature, top_p=e.top_p,
                                  generator=generator, advance=advance)
         for i, pred in enumerate(out):
-            group = samples[i * k:(i + 1) * k]  # rollouts are group-contiguous
+            group = sampled[i * k:(i + 1) * k]  # rollouts are group-contiguous
             pred.update(ev.sample_stats(group, pred["gold"], k, rows[i].get("source", "gsm8k")))
     return out
 

@@ -91,8 +91,7 @@ def run_prepare(cfg: Config) -> dict[str, Any]:
     """The prepare stage, as one MLflow stage run (row counts, rejections and token lengths as
     metrics, data/stats.json as an artifact) when tracking is on."""
     with stage_logger(cfg, "prepare") as tracker:  # fails fast, before any work, if MLflow is down
-        result = _prepare(cfg)
-        stats = json.loads(Path(result["outputs"]["stats"]).read_text())
+        result, stats = _prepare(cfg)
         metrics = {f"data/{name}_rows": float(n) for name, n in stats["counts"].items()}
         metrics["data/rejected_rows"] = float(result["rejected"])
         metrics["data/vocab_size"] = float(stats["vocab_size"])
@@ -104,7 +103,8 @@ def run_prepare(cfg: Config) -> dict[str, Any]:
     return result
 
 
-def _prepare(cfg: Config) -> dict[str, Any]:
+def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the stage's result, the stats written to data/stats.json)."""
     d = cfg.data
     out = Path(DATA_DIR)
     raw = load_raw(d.gsm8k_source, d.gsm8k_config)
@@ -139,4 +139,4 @@ def _prepare(cfg: Config) -> dict[str, Any]:
         "token_lengths": {name: token_stats(tok, rows) for name, rows in splits.items()},
     }
     paths["stats"] = str(write_json_atomic(out / "stats.json", stats))
-    return {"outputs": paths, "counts": stats["counts"], "rejected": len(bad)}
+    return {"outputs": paths, "counts": stats["counts"], "rejected": len(bad)}, stats
