@@ -38,9 +38,13 @@ PHRASINGS = ("What is {e}?", "Compute {e}.", "Calculate {e}.", "Find the value o
 class Problem:
     level: int
     expr: str  # the expression as shown in the question, e.g. "3 + 4 * 5"
-    steps: tuple[str, ...]  # worked lines, e.g. ("4 * 5 = 20", "3 + 20 = 23")
     answer: int
-    ops: tuple[tuple[int, str, int], ...] = ()  # the operations in order, e.g. ((4, "*", 5), (3, "+", 20))
+    ops: tuple[tuple[int, str, int], ...]  # the operations in order, e.g. ((4, "*", 5), (3, "+", 20))
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """One worked line per operation, e.g. ("4 * 5 = 20", "3 + 20 = 23")."""
+        return tuple("{} = {}".format(*_binary(a, op, b)) for a, op, b in self.ops)
 
 
 def _binary(a: int, op: str, b: int) -> tuple[str, int]:
@@ -109,7 +113,7 @@ def _one_step(level: int, a: int, op: str, b: int) -> Problem:
     if op == "-" and b > a:
         a, b = b, a
     expr, value = _binary(a, op, b)
-    return Problem(level, expr, (f"{expr} = {value}",), value, ((a, op, b),))
+    return Problem(level, expr, value, ((a, op, b),))
 
 
 def _two_step(level: int, rng: random.Random, lo: int, hi: int) -> Problem:
@@ -118,29 +122,25 @@ def _two_step(level: int, rng: random.Random, lo: int, hi: int) -> Problem:
     a, b, c = rng.randint(lo, hi), rng.randint(2, 9), rng.randint(2, 9)
     if shape == 0:  # a + b * c
         inner, v = _binary(b, "*", c)
-        outer, ans = _binary(a, "+", v)
-        return Problem(level, f"{a} + {inner}", (f"{inner} = {v}", f"{outer} = {ans}"), ans,
-                       ((b, "*", c), (a, "+", v)))
+        _, ans = _binary(a, "+", v)
+        return Problem(level, f"{a} + {inner}", ans, ((b, "*", c), (a, "+", v)))
     if shape == 1:  # (a - b) + c
         b = rng.randint(1, a)
         c = rng.randint(lo, hi)
         inner, v = _binary(a, "-", b)
-        outer, ans = _binary(v, "+", c)
-        return Problem(level, f"({inner}) + {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans,
-                       ((a, "-", b), (v, "+", c)))
+        _, ans = _binary(v, "+", c)
+        return Problem(level, f"({inner}) + {c}", ans, ((a, "-", b), (v, "+", c)))
     if shape == 2:  # (a + b) * c, with a small enough to keep the product modest
         a = rng.randint(lo, max(lo, hi // 2))
         inner, v = _binary(a, "+", b)
-        outer, ans = _binary(v, "*", c)
-        return Problem(level, f"({inner}) * {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans,
-                       ((a, "+", b), (v, "*", c)))
+        _, ans = _binary(v, "*", c)
+        return Problem(level, f"({inner}) * {c}", ans, ((a, "+", b), (v, "*", c)))
     # a * b - c with 0 <= c <= a * b
     a = rng.randint(2, 9) if hi < 100 else rng.randint(lo, hi)
     inner, v = _binary(a, "*", b)
     c = rng.randint(0, v)
-    outer, ans = _binary(v, "-", c)
-    return Problem(level, f"{inner} - {c}", (f"{inner} = {v}", f"{outer} = {ans}"), ans,
-                   ((a, "*", b), (v, "-", c)))
+    _, ans = _binary(v, "-", c)
+    return Problem(level, f"{inner} - {c}", ans, ((a, "*", b), (v, "-", c)))
 
 
 def _level1(rng: random.Random) -> Problem:
