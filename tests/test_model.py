@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, count_params, positions_from_mask
+from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, count_params, grouped_prefix_attention, positions_from_mask
 from pipeline.model.policy import build_policy, resolve_autocast, resolve_device
 from tests.conftest import tiny_model_config
 
@@ -138,6 +138,33 @@ def test_shared_prefix_decoding_equals_full_forward(positions):
         for t in range(3):
             steps.append(dec.step(nxt[:, t], next_pos + t))
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:9], atol=1e-5, rtol=0)
+
+
+def test_grouped_prefix_attention_equals_per_row_attention():
+    """The shared decode attention of both backends against a plain loop: row i attends to its
+    prompt's keys (masked pads), then its own keys (masked), with GQA (2 query heads per key head)."""
+    torch.manual_seed(0)
+    B, G, Hkv, r, Tp, t, D = 3, 4, 2, 2, 5, 3, 8
+    N = B * G
+    q = torch.randn(N, Hkv * r, 1, D)
+    kp, vp = torch.randn(B, Hkv, Tp, D), torch.randn(B, Hkv, Tp, D)
+    k, v = torch.randn(N, Hkv, t, D), torch.randn(N, Hkv, t, D)
+    prompt_mask = torch.ones(B, Tp, dtype=torch.bool)
+    prompt_mask[0, :2] = False  # a left-padded prompt
+    key_mask = torch.rand(N, t) > 0.3
+    key_mask[:, -1] = True  # every row sees at least its newest key
+    bias = torch.zeros(B, 1, 1, Tp).masked_fill(~prompt_mask[:, None, None], float("-inf"))
+    for km in (key_mask, None):
+        got = grouped_prefix_attention(q, kp, vp, k, v, bias, km)
+        want = torch.empty_like(got)
+        for i in range(N):
+            for h in range(Hkv * r):
+                keys = torch.cat([kp[i // G, h // r], k[i, h // r]])  # (Tp + t, D)
+                vals = torch.cat([vp[i // G, h // r], v[i, h // r]])
+                allowed = torch.cat([prompt_mask[i // G], km[i] if km is not None else torch.ones(t, dtype=torch.bool)])
+                s = (keys @ q[i, h, 0]) / D ** 0.5
+                want[i, h, 0] = s.masked_fill(~allowed, float("-inf")).softmax(0) @ vals
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def test_policy_interface(gpt_policy):

@@ -13,7 +13,7 @@ Pad queries attend to themselves only, which keeps them finite; their outputs ar
 Incremental decoding: a :class:`KVCache` preallocates keys/values for ``max_len`` positions; a
 forward with ``cache=`` writes its keys/values at ``cache.length`` and attends over everything
 written so far, so a new token costs one position, not the whole prefix. For G samples per
-prompt the G rows share one copy of the prompt's keys (:func:`shared_prefix_attention`). The GRPO
+prompt the G rows share one copy of the prompt's keys (:func:`grouped_prefix_attention`). The GRPO
 log-prob passes do the same with gradients (:func:`shared_prompt_logits`, :class:`PromptKV`).
 
 The seed's size (24 layers, 1024 wide, 16 heads, context 1024, vocab 2048) is ~405.8M parameters
@@ -86,6 +86,7 @@ class KVCache:
         self.key_mask = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
         self.length = 0
         self.prefix: KVCache | None = None
+        self.prefix_bias: torch.Tensor | None = None  # (B, 1, 1, Tp) additive bias of the prefix's keys
         self.group = 1
 
     @property
@@ -103,9 +104,11 @@ class KVCache:
 
     def share_prefix(self, cfg: GPTConfig, repeats: int, max_new: int) -> KVCache:
         """A cache of B*repeats rows for `max_new` more positions that reads this one as prefix."""
-        L, B, H, _, D = self.k.shape
+        B = self.k.shape[1]
         out = KVCache(cfg, B * repeats, max_new, self.k.device, self.k.dtype)
         out.prefix, out.group = self, repeats
+        prompt = self.key_mask[:, None, None, : self.length]  # (B, 1, 1, Tp), fixed for the whole rollout
+        out.prefix_bias = torch.zeros(prompt.shape, device=self.k.device).masked_fill(~prompt, float("-inf"))
         return out
 
 
@@ -210,7 +213,9 @@ class CausalSelfAttention(nn.Module):
             cache.v[layer, :, :, start:end] = v
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, H, S, D)
         if cache is not None and cache.prefix is not None:
-            y = shared_prefix_attention(q, k, v, cache, layer)  # (B, H, 1, D)
+            P = cache.prefix
+            y = grouped_prefix_attention(q, P.k[layer, :, :, :P.length], P.v[layer, :, :, :P.length], k, v,
+                                         cache.prefix_bias, cache.key_mask[:, :end])  # (B, H, 1, D)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                                is_causal=attn_mask is None and cache is None,
@@ -219,25 +224,35 @@ class CausalSelfAttention(nn.Module):
         return F.dropout(self.c_proj(y), self.dropout, self.training)
 
 
-def shared_prefix_attention(q, k, v, cache: KVCache, layer: int) -> torch.Tensor:
-    """One decode step of N = B*G rows: attention over the B shared prompt prefixes plus each
-    row's own keys, one softmax over both. q: (N, H, 1, D); k, v: (N, H, t, D) -> (N, H, 1, D)."""
-    P, G = cache.prefix, cache.group
+def grouped_prefix_attention(q, kp, vp, k, v, prefix_bias, key_mask=None, scale=None) -> torch.Tensor:
+    """One decode step of N = B*G rows whose G consecutive rows continue the same prompt: attention
+    over the B prompts' keys, stored and read once per group (one (G, Tp) matmul per prompt, not G
+    (1, Tp) ones), plus each row's own keys, one softmax over both. Both decoders use it: the GPT's
+    :class:`KVCache` and the transformers attention function of ``pipeline.model.hf``.
+
+    q: (N, H, 1, D); kp, vp: (B, Hkv, Tp, D) the prompts; k, v: (N, Hkv, t, D) each row's own
+    positions so far; H = Hkv * r (grouped-query attention: key head i serves query heads
+    i*r .. i*r+r-1); prefix_bias: additive (0 or -inf) bias of the prompt keys, broadcastable to
+    (B, 1, 1, Tp); key_mask: (N, t) bool, True = attend, or None for all. Returns (N, H, 1, D).
+    """
     N, H, T, D = q.shape
     if T != 1:
         raise ValueError("a shared-prefix cache decodes one token per step")
-    B, Tp = N // G, P.length
-    kp, vp = P.k[layer, :, :, :Tp], P.v[layer, :, :, :Tp]  # (B, H, Tp, D)
-    qg = q.view(B, G, H, D).transpose(1, 2)  # (B, H, G, D): a group's queries side by side
-    sp = (qg @ kp.transpose(-1, -2)).float()  # (B, H, G, Tp)
-    sp = sp.masked_fill(~P.key_mask[:, None, None, :Tp], float("-inf"))
-    sp = sp.transpose(1, 2).reshape(N, H, 1, Tp)  # (N, H, 1, Tp)
-    sr = (q @ k.transpose(-1, -2)).float()  # (N, H, 1, t)
-    sr = sr.masked_fill(~cache.key_mask[:, None, None, : k.shape[2]], float("-inf"))
-    att = (torch.cat([sp, sr], dim=-1) * D ** -0.5).softmax(-1).to(v.dtype)  # (N, H, 1, Tp + t)
-    ap, ar = att.split([Tp, k.shape[2]], dim=-1)
-    yp = ap.reshape(B, G, H, Tp).transpose(1, 2) @ vp  # (B, H, G, D)
-    return yp.transpose(1, 2).reshape(N, H, 1, D) + ar @ v  # (N, H, 1, D)
+    B, Hkv, Tp, _ = kp.shape
+    G, r, t = N // B, H // Hkv, k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    q = q.reshape(N, Hkv, r, D)
+    qg = q.view(B, G, Hkv, r, D).transpose(1, 2).reshape(B, Hkv, G * r, D)  # a group's queries together
+    sp = (qg @ kp.transpose(-1, -2)).float() * scale + prefix_bias  # (B, Hkv, G*r, Tp)
+    sp = sp.view(B, Hkv, G, r, Tp).transpose(1, 2).reshape(N, Hkv, r, Tp)
+    sr = (q @ k.transpose(-1, -2)).float() * scale  # (N, Hkv, r, t)
+    if key_mask is not None:
+        sr = sr.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    att = torch.cat([sp, sr], dim=-1).softmax(-1).to(v.dtype)  # (N, Hkv, r, Tp + t)
+    ap, ar = att.split([Tp, t], dim=-1)
+    yp = ap.reshape(B, G, Hkv, r, Tp).transpose(1, 2).reshape(B, Hkv, G * r, Tp) @ vp  # (B, Hkv, G*r, D)
+    y = yp.view(B, Hkv, G, r, D).transpose(1, 2).reshape(N, Hkv, r, D) + ar @ v  # (N, Hkv, r, D)
+    return y.reshape(N, H, 1, D)
 
 
 class MLP(nn.Module):
@@ -384,7 +399,7 @@ class GPTDecoder:
 
     def prefill(self, input_ids, attention_mask, position_ids, repeats: int) -> torch.Tensor:
         """Prompts (B, T) once; the `repeats` rows of a group then share that prompt's cache (read,
-        not copied: see :func:`shared_prefix_attention`); last logits (B*r, V)."""
+        not copied: see :func:`grouped_prefix_attention`); last logits (B*r, V)."""
         B, T = input_ids.shape
         if repeats == 1:
             self.cache = self.model.new_cache(B, self.max_len, self.dtype)

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from pipeline.model.gpt import grouped_prefix_attention
+
 
 class HFTokenizer:
     """The pipeline tokenizer interface over a transformers tokenizer."""
@@ -116,29 +118,17 @@ _active: list[HFDecoder] = []  # the decoder whose step is running (read by the 
 
 
 def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """One decode step of N = B*G rows (a transformers attention function): the B distinct prompts'
-    keys are read once per group (one (G, Tp) matmul per prompt instead of G (1, Tp) ones), the
-    row's own response keys as usual, one softmax over both.
+    """One decode step of N = B*G rows as a transformers attention function: the B distinct prompts'
+    keys are read once per group (:func:`pipeline.model.gpt.grouped_prefix_attention`, the same
+    math as the GPT decoder's), the row's own response keys as usual.
 
     query (N, H, 1, D); key/value (N, Hkv, t, D): the response positions so far (this step's
     included); `attention_mask`: (B, 1, 1, Tp) additive bias of the prompt keys (0 or -inf).
     Returns (N, 1, H, D) like transformers' own attention functions.
     """
     kp, vp = _active[-1].prefix[module.layer_idx]  # (B, Hkv, Tp, D)
-    N, H, _, D = query.shape
-    B, Hkv, Tp, _ = kp.shape
-    G, r, t = N // B, H // Hkv, key.shape[2]
-    scale = D ** -0.5 if scaling is None else scaling
-    q = query.reshape(N, Hkv, r, D)  # the r query heads of each key head side by side (GQA)
-    qg = q.view(B, G, Hkv, r, D).transpose(1, 2).reshape(B, Hkv, G * r, D)  # a group's queries together
-    sp = (qg @ kp.transpose(-1, -2)) * scale + attention_mask  # (B, Hkv, G*r, Tp)
-    sp = sp.view(B, Hkv, G, r, Tp).transpose(1, 2).reshape(N, Hkv, r, Tp)
-    sr = (q @ key.transpose(-1, -2)) * scale  # (N, Hkv, r, t)
-    att = torch.cat([sp, sr], dim=-1).float().softmax(-1).to(value.dtype)  # (N, Hkv, r, Tp + t)
-    ap, ar = att.split([Tp, t], dim=-1)
-    yp = ap.reshape(B, G, Hkv, r, Tp).transpose(1, 2).reshape(B, Hkv, G * r, Tp) @ vp  # (B, Hkv, G*r, D)
-    y = yp.view(B, Hkv, G, r, D).transpose(1, 2).reshape(N, Hkv, r, D) + ar @ value  # (N, Hkv, r, D)
-    return y.reshape(N, 1, H, D), None
+    y = grouped_prefix_attention(query, kp, vp, key, value, attention_mask, scale=scaling)  # (N, H, 1, D)
+    return y.transpose(1, 2), None
 
 
 class _ResponseCache:
