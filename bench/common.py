@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -120,9 +122,34 @@ def workdir(keep: bool = False):
     finally:
         os.chdir(old)
         if not keep:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost", "GIT_COMMITTER_NAME": "bench",
+           "GIT_COMMITTER_EMAIL": "bench@localhost"}
+
+
+def copy_repo(dst: Path, gsm8k: str | Path, git: bool = True) -> Path:
+    """The repo's tracked (and not ignored) files, without .ci/ and tests/, copied into `dst`, with
+    the smoke config written out in full as params.yaml and GSM8K read from `gsm8k`; with `git`,
+    `dst` becomes a fresh git repo of one commit. Used by bench/overhead.py and the flow/DVC tests."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        src = ROOT / rel
+        if src.is_file() and not rel.startswith((".ci/", "tests/")):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    # written out in full: DVC tracks (and `dvc exp run -S` can set) only keys present in the file
+    from pipeline.config import dump_config, load_config
+
+    smoke = load_config(ROOT / "configs" / "smoke.yaml", [f"data.gsm8k_source={gsm8k}"])
+    (dst / "params.yaml").write_text(dump_config(smoke))
+    if git:
+        env = {**os.environ, **GIT_ENV}
+        for cmd in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
+            subprocess.run(cmd, cwd=dst, check=True, env=env)
+    return dst
 
 
 def prepare_with_random_policy(cfg) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,32 +31,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, default_gsm8k, emit, load_avg, median  # noqa: E402
+from common import GIT_ENV, copy_repo, default_gsm8k, emit, load_avg, median  # noqa: E402
 
 BIN = Path(sys.executable).parent
-GIT_ENV = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@localhost", "GIT_COMMITTER_NAME": "bench",
-           "GIT_COMMITTER_EMAIL": "bench@localhost"}
-
-
-def copy_repo(dst: Path, gsm8k: str) -> Path:
-    """The repo's files into `dst` as a fresh git repo, with the smoke params as params.yaml."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for rel in files:
-        src = ROOT / rel
-        if src.is_file() and not rel.startswith((".ci/", "tests/")):
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / rel)
-    from pipeline.config import dump_config, load_config
-
-    (dst / "params.yaml").write_text(dump_config(load_config(ROOT / "configs" / "smoke.yaml",
-                                                             [f"data.gsm8k_source={gsm8k}"])))
-    env = {**os.environ, **GIT_ENV}
-    for cmd in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
-        subprocess.run(cmd, cwd=dst, check=True, env=env)
-    return dst
-
-
 COMMANDS = {
     "direct": [sys.executable, "-m", "pipeline", "all"],
     "prefect": [sys.executable, "-m", "flows.grpo_pipeline"],

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from bench.common import copy_repo as bench_copy_repo
 from pipeline.config import STAGES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,25 +26,8 @@ os.environ.update(QUIET_ENV)
 # --------------------------------------------------------------------------- helpers shared with other tests
 
 def copy_repo(dst: Path, git: bool = True) -> Path:
-    """Tracked (and not ignored) files of the repo into `dst`, smoke params as params.yaml, GSM8K absolute."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for rel in files:
-        src = REPO / rel
-        if src.is_file() and not rel.startswith((".ci/", "tests/")):
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / rel)
-    # the smoke config written out in full: DVC tracks (and `dvc exp run -S` can set) only keys in the file
-    from pipeline.config import dump_config, load_config
-
-    smoke = load_config(REPO / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}"])
-    (dst / "params.yaml").write_text(dump_config(smoke))
-    if git:
-        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-               "GIT_COMMITTER_EMAIL": "t@t"}
-        for cmd in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
-            subprocess.run(cmd, cwd=dst, check=True, env=env)
-    return dst
+    """The repo as a smoke-config project in `dst` (bench.common.copy_repo), GSM8K from ../shared."""
+    return bench_copy_repo(dst, GSM8K, git)
 
 
 def output_files(root: Path) -> set[str]:
