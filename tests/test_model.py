@@ -155,7 +155,7 @@ def test_grouped_prefix_attention_equals_per_row_attention():
     key_mask[:, -1] = True  # every row sees at least its newest key
     bias = torch.zeros(B, 1, 1, Tp).masked_fill(~prompt_mask[:, None, None], float("-inf"))
     for km in (key_mask, None):
-        got = grouped_prefix_attention(q, kp, vp, k, v, bias, km)
+        got = grouped_prefix_attention(q, kp.transpose(-1, -2), vp, k, v, bias, km)
         want = torch.empty_like(got)
         for i in range(N):
             for h in range(Hkv * r):

@@ -87,6 +87,8 @@ class KVCache:
         self.length = 0
         self.prefix: KVCache | None = None
         self.prefix_bias: torch.Tensor | None = None  # (B, 1, 1, Tp) additive bias of the prefix's keys
+        self.prefix_k_t: torch.Tensor | None = None  # (n_layer, B, n_head, head_dim, Tp) the prefix's keys, transposed
+        self.all_real = True  # every key written so far is a real token (no pad was written)
         self.group = 1
 
     @property
@@ -100,6 +102,7 @@ class KVCache:
         out.v = self.v.repeat_interleave(repeats, dim=1)
         out.key_mask = self.key_mask.repeat_interleave(repeats, dim=0)
         out.length, out.prefix, out.group = self.length, None, 1
+        out.prefix_bias, out.prefix_k_t, out.all_real = None, None, self.all_real
         return out
 
     def share_prefix(self, cfg: GPTConfig, repeats: int, max_new: int) -> KVCache:
@@ -109,6 +112,7 @@ class KVCache:
         out.prefix, out.group = self, repeats
         prompt = self.key_mask[:, None, None, : self.length]  # (B, 1, 1, Tp), fixed for the whole rollout
         out.prefix_bias = torch.zeros(prompt.shape, device=self.k.device).masked_fill(~prompt, float("-inf"))
+        out.prefix_k_t = self.k[:, :, :, : self.length].transpose(-1, -2).contiguous()
         return out
 
 
@@ -214,8 +218,8 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # (B, H, S, D)
         if cache is not None and cache.prefix is not None:
             P = cache.prefix
-            y = grouped_prefix_attention(q, P.k[layer, :, :, :P.length], P.v[layer, :, :, :P.length], k, v,
-                                         cache.prefix_bias, cache.key_mask[:, :end])  # (B, H, 1, D)
+            y = grouped_prefix_attention(q, cache.prefix_k_t[layer], P.v[layer, :, :, :P.length], k, v,
+                                         cache.prefix_bias, None if cache.all_real else cache.key_mask[:, :end])
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                                is_causal=attn_mask is None and cache is None,
@@ -224,31 +228,34 @@ class CausalSelfAttention(nn.Module):
         return F.dropout(self.c_proj(y), self.dropout, self.training)
 
 
-def grouped_prefix_attention(q, kp, vp, k, v, prefix_bias, key_mask=None, scale=None) -> torch.Tensor:
+def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scale=None) -> torch.Tensor:
     """One decode step of N = B*G rows whose G consecutive rows continue the same prompt: attention
     over the B prompts' keys, stored and read once per group (one (G, Tp) matmul per prompt, not G
     (1, Tp) ones), plus each row's own keys, one softmax over both. Both decoders use it: the GPT's
     :class:`KVCache` and the transformers attention function of ``pipeline.model.hf``.
 
-    q: (N, H, 1, D); kp, vp: (B, Hkv, Tp, D) the prompts; k, v: (N, Hkv, t, D) each row's own
-    positions so far; H = Hkv * r (grouped-query attention: key head i serves query heads
-    i*r .. i*r+r-1); prefix_bias: additive (0 or -inf) bias of the prompt keys, broadcastable to
-    (B, 1, 1, Tp); key_mask: (N, t) bool, True = attend, or None for all. Returns (N, H, 1, D).
+    q: (N, H, 1, D); kp_t: (B, Hkv, D, Tp) the prompts' keys, transposed (made contiguous once per
+    rollout: the prompt part is then one batched matmul with the scale and the pad bias fused in);
+    vp: (B, Hkv, Tp, D); k, v: (N, Hkv, t, D) each row's own positions so far; H = Hkv * r
+    (grouped-query attention: key head i serves query heads i*r .. i*r+r-1); prefix_bias: additive
+    (0 or -inf) bias of the prompt keys, (B, 1, 1, Tp) or (B, Hkv, 1, Tp); key_mask: (N, t) bool,
+    True = attend, or None when every row key is real (a decode cache). Returns (N, H, 1, D).
     """
     N, H, T, D = q.shape
     if T != 1:
         raise ValueError("a shared-prefix cache decodes one token per step")
-    B, Hkv, Tp, _ = kp.shape
+    B, Hkv, _, Tp = kp_t.shape
     G, r, t = N // B, H // Hkv, k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     q = q.reshape(N, Hkv, r, D)
-    qg = q.view(B, G, Hkv, r, D).transpose(1, 2).reshape(B, Hkv, G * r, D)  # a group's queries together
-    sp = (qg @ kp.transpose(-1, -2)).float() * scale + prefix_bias  # (B, Hkv, G*r, Tp)
+    qg = q.view(B, G, Hkv, r, D).transpose(1, 2).reshape(B * Hkv, G * r, D)  # a group's queries together
+    bias = prefix_bias.expand(B, Hkv, 1, Tp).reshape(B * Hkv, 1, Tp)
+    sp = torch.baddbmm(bias.to(q.dtype), qg, kp_t.reshape(B * Hkv, D, Tp), alpha=scale)  # (B*Hkv, G*r, Tp)
     sp = sp.view(B, Hkv, G, r, Tp).transpose(1, 2).reshape(N, Hkv, r, Tp)
-    sr = (q @ k.transpose(-1, -2)).float() * scale  # (N, Hkv, r, t)
+    sr = (q @ k.transpose(-1, -2)) * scale  # (N, Hkv, r, t)
     if key_mask is not None:
         sr = sr.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    att = torch.cat([sp, sr], dim=-1).softmax(-1).to(v.dtype)  # (N, Hkv, r, Tp + t)
+    att = torch.cat([sp, sr], dim=-1).float().softmax(-1).to(v.dtype)  # (N, Hkv, r, Tp + t)
     ap, ar = att.split([Tp, t], dim=-1)
     yp = ap.reshape(B, G, Hkv, r, Tp).transpose(1, 2).reshape(B, Hkv, G * r, Tp) @ vp  # (B, Hkv, G*r, D)
     y = yp.view(B, Hkv, G, r, D).transpose(1, 2).reshape(N, Hkv, r, D) + ar @ v  # (N, Hkv, r, D)
@@ -349,6 +356,8 @@ class GPT(nn.Module):
                 raise ValueError(f"KV cache full: {cache.length} + {T} > {cache.max_len}")
             new_mask = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
             cache.key_mask[:, cache.length: cache.length + T] = new_mask
+            if attention_mask is not None and cache.all_real:
+                cache.all_real = bool(new_mask.all())
         if position_ids is None:
             position_ids = (positions_from_mask(attention_mask) if attention_mask is not None
                             else torch.arange(T, device=idx.device).expand(B, T))

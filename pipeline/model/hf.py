@@ -126,8 +126,8 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=
     included); `attention_mask`: (B, 1, 1, Tp) additive bias of the prompt keys (0 or -inf).
     Returns (N, 1, H, D) like transformers' own attention functions.
     """
-    kp, vp = _active[-1].prefix[module.layer_idx]  # (B, Hkv, Tp, D)
-    y = grouped_prefix_attention(query, kp, vp, key, value, attention_mask, scale=scaling)  # (N, H, 1, D)
+    kp_t, vp = _active[-1].prefix[module.layer_idx]  # (B, Hkv, D, Tp), (B, Hkv, Tp, D)
+    y = grouped_prefix_attention(query, kp_t, vp, key, value, attention_mask, scale=scaling)  # (N, H, 1, D)
     return y.transpose(1, 2), None
 
 
@@ -135,9 +135,10 @@ class _ResponseCache:
     """Preallocated keys/values of the response positions of N rows (duck-types a transformers
     Cache for decode steps: attention layers only call `update`)."""
 
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, max_new: int) -> None:
-        self.k = [kp.new_zeros(rows, kp.shape[1], max_new, kp.shape[3]) for kp, _ in layers]
-        self.v = [vp.new_zeros(rows, vp.shape[1], max_new, vp.shape[3]) for _, vp in layers]
+    def __init__(self, values: list[torch.Tensor], rows: int, max_new: int) -> None:
+        # shaped like the prompts' values (B, Hkv, Tp, D) of each layer, with N rows and max_new positions
+        self.k = [vp.new_zeros(rows, vp.shape[1], max_new, vp.shape[3]) for vp in values]
+        self.v = [vp.new_zeros(rows, vp.shape[1], max_new, vp.shape[3]) for vp in values]
         self.length = 0
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -200,8 +201,9 @@ class HFDecoder:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self.key: self.cache})
         if self.shared:
-            self.prefix = [(layer.keys, layer.values) for layer in self.cache.layers]
-            self.cache = _ResponseCache(self.prefix, B * repeats, self.max_len - T)
+            # the prompts' keys transposed once for the whole rollout (see grouped_prefix_attention)
+            self.prefix = [(layer.keys.transpose(-1, -2).contiguous(), layer.values) for layer in self.cache.layers]
+            self.cache = _ResponseCache([layer.values for layer in self.cache.layers], B * repeats, self.max_len - T)
             bias = torch.zeros(B, 1, 1, T, dtype=self.prefix[0][0].dtype, device=input_ids.device)
             self.mask = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
         else:
