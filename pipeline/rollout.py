@@ -76,37 +76,59 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
                 greedy: bool = False, generator: torch.Generator | None = None):
     """Next tokens (N,) and their log-probs (N,) under the full distribution at `temperature`."""
     scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # (N, V)
-    logp = scaled.log_softmax(-1)  # (N, V)
     if greedy:
         tokens = scaled.argmax(-1)
-    else:
-        filtered = scaled
-        if 0 < top_k < scaled.shape[-1]:
-            kth = scaled.topk(top_k, dim=-1).values[:, -1:]  # (N, 1)
-            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-        if top_p < 1.0:
-            sorted_logits, order = filtered.sort(dim=-1, descending=True)  # (N, V)
-            probs = sorted_logits.softmax(-1)
-            drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p
-            filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logp.exp() if filtered is scaled else filtered.softmax(-1)  # (N, V)
+        return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    if top_k == 0 and top_p >= 1.0:
+        # the plain case (every GRPO rollout by default): one softmax serves both the draw and the
+        # log-prob; log(p) of a drawn token is within ~1e-7 of log_softmax (p > 0: never a zero-mass draw)
+        probs = scaled.softmax(-1)  # (N, V)
         tokens = _inverse_cdf_sample(probs, generator)  # (N,)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+    filtered = scaled
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]  # (N, 1)
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = filtered.sort(dim=-1, descending=True)  # (N, V)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p
+        filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    tokens = _inverse_cdf_sample(filtered.softmax(-1), generator)  # (N,)
+    return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+_CDF_BLOCK = 64
 
 
 def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of (N, V) probabilities from ONE uniform per row.
+    """One draw per row of (N, V) non-negative weights from ONE uniform per row.
 
     `torch.multinomial` draws V exponentials per row (the exponential-race trick): 14% of a
-    decode step of a tiny Llama on CPU. The uniform is scaled by the row's own CDF total, so fp32
-    rounding of the cumulative sum only shifts mass by ~1e-7 relative; `right=True` never lands
-    on a zero-probability token.
+    decode step of a tiny Llama on CPU. And a cumulative sum over all V columns is sequential per
+    row (the largest op of the sampler on CPU), so the CDF is taken in two levels: the uniform first
+    picks a block of 64 columns from the cumulative block totals, then a column inside that block
+    from the block's own cumulative sum. The uniform is scaled by the row's own total, so fp32
+    rounding only shifts mass by ~1e-7 relative, and both levels search with `right=True` on a
+    value clamped inside the chosen block's mass, so a zero-weight column is never drawn.
     """
-    cdf = probs.cumsum(-1)  # (N, V)
-    total = cdf[:, -1:]
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * total
+    N, V = probs.shape
+    pad = (-V) % _CDF_BLOCK
+    w = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    w = w.view(N, -1, _CDF_BLOCK)  # (N, nb, blk)
+    block_mass = w.sum(-1)  # (N, nb)
+    block_cdf = block_mass.cumsum(-1)  # (N, nb)
+    total = block_cdf[:, -1:]
+    u = torch.rand(N, 1, generator=generator, device=probs.device) * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # u < total even after rounding
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    blk = torch.searchsorted(block_cdf, u, right=True).clamp_(max=w.shape[1] - 1)  # (N, 1): mass > 0
+    inner = w.gather(1, blk[:, :, None].expand(N, 1, _CDF_BLOCK)).squeeze(1)  # (N, blk)
+    inner_cdf = inner.cumsum(-1)
+    last = inner_cdf[:, -1:]
+    rest = (u - (block_cdf.gather(1, blk) - block_mass.gather(1, blk))).clamp_(min=0.0)  # mass left in the block
+    rest = torch.minimum(rest, last.nextafter(torch.zeros_like(last)))
+    col = torch.searchsorted(inner_cdf, rest, right=True).clamp_(max=_CDF_BLOCK - 1)
+    return (blk * _CDF_BLOCK + col).squeeze(-1)
 
 
 def rollout_prompts(policy: Policy, prompts: list[str], group_size: int, max_new_tokens: int,

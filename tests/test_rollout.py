@@ -217,6 +217,32 @@ def test_samples_lie_in_top_k_and_nucleus(seed, top_k, top_p):
     torch.testing.assert_close(logp, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.integers(1, 300), keep=st.floats(0.002, 1.0))
+def test_blocked_cdf_sampling_never_draws_a_zero_weight_token(seed, vocab, keep):
+    """The two-level (64-column blocks) inverse CDF: whatever the vocabulary size (padded blocks
+    included) and however sparse the weights, every draw is a token of positive weight."""
+    from pipeline.rollout import _inverse_cdf_sample
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(64, vocab, generator=g) ** 8  # wide dynamic range
+    w = w * (torch.rand(64, vocab, generator=g) < keep)
+    w[torch.arange(64), torch.randint(0, vocab, (64,), generator=g)] = 1e-30  # at least one positive, tiny
+    tokens = _inverse_cdf_sample(w, g)
+    assert tokens.shape == (64,) and (tokens < vocab).all()
+    assert (w.gather(1, tokens[:, None]) > 0).all()
+
+
+def test_blocked_cdf_sampling_frequencies_across_blocks():
+    """Across several 64-column blocks (and a padded last one) each token is drawn with its
+    probability, and the log-prob returned is log_softmax's."""
+    logits = torch.randn(1, 150, generator=gen(5)) * 2
+    tokens, logp = sample_next(logits.expand(60_000, 150), generator=gen(6))
+    freq = torch.bincount(tokens, minlength=150).double() / tokens.numel()
+    torch.testing.assert_close(freq, logits[0].double().softmax(-1), atol=0.006, rtol=0)
+    torch.testing.assert_close(logp, logits.log_softmax(-1)[0, tokens], atol=1e-5, rtol=0)
+
+
 def test_top_k_one_is_greedy():
     logits = torch.randn(8, 50)
     tokens, _ = sample_next(logits, 1.3, top_k=1, generator=gen())
