@@ -93,12 +93,12 @@ def matmul_peak(n: int = 1024, repeats: int = 5, dtype: str = "float32", device:
     return 2 * n ** 3 / best
 
 
-def matmul_params(module) -> int:
-    """Weights that enter a matmul once per token (the 'N' of 2N/6N): every >=2-D parameter except
-    the embedding lookup, counting a tied LM head once as a matmul."""
+def matmul_weights(module) -> list[tuple[int, int]]:
+    """(out, in) of every weight that enters a matmul once per token: every >=2-D parameter except
+    the embedding lookup, a tied LM head counted once as a matmul."""
     import torch
 
-    seen, total = set(), 0
+    seen, shapes = set(), []
     emb = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
     head = getattr(module, "lm_head", None)
     for p in module.parameters():
@@ -107,8 +107,34 @@ def matmul_params(module) -> int:
         seen.add(id(p))
         if id(p) in emb and not (head is not None and head.weight is p):
             continue
-        total += p.numel()
-    return total
+        shapes.append((p.shape[0], p[0].numel()))
+    return shapes
+
+
+def matmul_params(module) -> int:
+    """Weights that enter a matmul once per token (the 'N' of 2N/6N): see :func:`matmul_weights`."""
+    return sum(o * i for o, i in matmul_weights(module))
+
+
+def matmul_ceiling(shapes: list[tuple[int, int]], rows: int, repeats: int = 5) -> float:
+    """FLOP/s of the model's own weight matmuls at `rows` rows: (rows x in) @ (in x out) for every
+    (out, in) in `shapes`, best of `repeats` each, total FLOPs over total time. With thin weights
+    (width 96) this is far below the 2048^3 peak: the most any implementation of these matmuls gets
+    from this machine's BLAS, and so the ceiling of an iteration made of them."""
+    import torch
+
+    flops, secs = 0.0, 0.0
+    for out_f, in_f in shapes:
+        a, w = torch.randn(rows, in_f), torch.randn(in_f, out_f)
+        torch.mm(a, w)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, w)
+            best = min(best, time.perf_counter() - t0)
+        flops += 2 * rows * in_f * out_f
+        secs += best
+    return flops / secs
 
 
 @contextlib.contextmanager

@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (alternate, default_gsm8k, emit, machine_line, matmul_params, matmul_peak,  # noqa: E402
+from common import (alternate, default_gsm8k, emit, machine_line, matmul_ceiling, matmul_params, matmul_peak,
+                    matmul_weights,  # noqa: E402
                     median, prepare_with_random_policy, timed, workdir)
 
 import torch  # noqa: E402
@@ -143,6 +144,10 @@ def main() -> None:
         metrics = metrics[1:]  # drop the warm-up
         ro, policy, g = seen["ro"], trainer.policy, trainer.g
     peak = max(peak0, matmul_peak(2048, 3))
+    shapes = matmul_weights(policy.module)
+    # the same weight matmuls alone: at the decode steps' rows, and at the log-prob/update passes' rows
+    ceil_decode = matmul_ceiling(shapes, ro.input_ids.shape[0])
+    ceil_train = matmul_ceiling(shapes, int(ro.input_ids.shape[0] * (ro.input_ids.shape[1] - ro.prompt_len)))
 
     N, H, L, C = model_dims(policy)
     B, rows, Tp = g.prompts_per_iter, ro.input_ids.shape[0], ro.prompt_len
@@ -175,6 +180,10 @@ def main() -> None:
     rate = total_flops / wall
     print(f"{'total':10s} {wall:8.3f} {1:6.0%} {total_flops / 1e9:8.2f} {rate / 1e9:8.2f} {rate / peak:8.1%}")
     print(f"tokens/s (generated tokens / iteration wall): {gen_tokens / wall:.0f}")
+    print(f"the model's weight matmuls alone (no attention, no other ops): {ceil_decode / 1e9:.2f} GFLOP/s "
+          f"({ceil_decode / peak:.1%} of peak) at the decode steps' {rows} rows, {ceil_train / 1e9:.2f} GFLOP/s "
+          f"({ceil_train / peak:.1%}) at the log-prob/update passes' {rows * steps} response rows; the iteration "
+          f"runs at {rate / ceil_decode:.0%} / {rate / ceil_train:.0%} of those")
     ab = {}
     if args.ab_full_logits:
         full_s = median(all_times["full_logits"])
@@ -194,6 +203,8 @@ def main() -> None:
           "phase_gflop": {k: round(v / 1e9, 3) for k, v in flops.items()},
           "gflop_per_iteration": round(total_flops / 1e9, 3), "gflop_s": round(rate / 1e9, 3),
           "matmul_peak_gflop_s": round(peak / 1e9, 2), "fraction_of_peak": round(rate / peak, 4),
+          "decode_shape_matmul_gflop_s": round(ceil_decode / 1e9, 2),
+          "train_shape_matmul_gflop_s": round(ceil_train / 1e9, 2),
           "generated_tokens": gen_tokens, "tokens_per_s": round(gen_tokens / wall, 1),
           "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps, "shared_prompt": shared, **ab})
 
