@@ -118,9 +118,9 @@ def matmul_params(module) -> int:
 
 def matmul_ceiling(shapes: list[tuple[int, int]], rows: int, repeats: int = 5) -> float:
     """FLOP/s of the model's own weight matmuls at `rows` rows: (rows x in) @ (in x out) for every
-    (out, in) in `shapes`, best of `repeats` each, total FLOPs over total time. With thin weights
-    (width 96) this is far below the 2048^3 peak: the most any implementation of these matmuls gets
-    from this machine's BLAS, and so the ceiling of an iteration made of them."""
+    (out, in) in `shapes`, best of `repeats` each, total FLOPs over total time: what this machine's
+    BLAS gives these shapes, so how far an iteration is from its matmuls' own speed (on the 2-core
+    CPU the width-96 default's weights reach 86-93% of the 2048^3 peak: docs/performance.md)."""
     import torch
 
     flops, secs = 0.0, 0.0
