@@ -120,24 +120,26 @@ def test_policy_decoder_matches_full_forward(any_policy):
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:8], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("positions", ["rope", "learned"])
-def test_shared_prefix_decoding_equals_full_forward(positions):
-    """G rows reading one copy of their (left-padded) prompt's keys, each with its own continuation."""
+@pytest.mark.parametrize(("positions", "dtype"), [("rope", None), ("learned", None), ("rope", torch.bfloat16)])
+def test_shared_prefix_decoding_equals_full_forward(positions, dtype):
+    """G rows reading one copy of their (left-padded) prompt's keys, each with its own continuation;
+    also under bf16 autocast (the GPU path's dtype), to bf16 rounding."""
     model, G = tiny_gpt(positions), 3
     ids = torch.randint(2, 64, (2, 6))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     nxt = torch.randint(2, 64, (2 * G, 4))  # a different continuation per row
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
         full = model(torch.cat([ids.repeat_interleave(G, 0), nxt], 1),
                      torch.cat([mask.repeat_interleave(G, 0), torch.ones_like(nxt)], 1))  # (N, 10, V)
-        dec = GPTDecoder(model, 10)
+        dec = GPTDecoder(model, 10, dtype=dtype)
         pos = positions_from_mask(mask)
         steps = [dec.prefill(ids, mask, pos, G)]
         assert dec.cache.prefix is not None and dec.cache.k.shape[1] == 2 * G
         next_pos = pos[:, -1].repeat_interleave(G) + 1
         for t in range(3):
             steps.append(dec.step(nxt[:, t], next_pos + t))
-    torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:9], atol=1e-5, rtol=0)
+    atol = 1e-5 if dtype is None else 2e-2
+    torch.testing.assert_close(torch.stack(steps, 1).float(), full[:, 5:9].float(), atol=atol, rtol=0)
 
 
 def test_grouped_prefix_attention_equals_per_row_attention():
