@@ -86,7 +86,7 @@ class KVCache:
         self.key_mask = torch.zeros(batch, max_len, device=device, dtype=torch.bool)
         self.length = 0
         self.prefix: KVCache | None = None
-        self.prefix_bias: torch.Tensor | None = None  # (B, 1, 1, Tp) additive bias of the prefix's keys
+        self.prefix_bias: torch.Tensor | None = None  # (B, n_head, 1, Tp) additive bias of the prefix's keys
         self.prefix_k_t: torch.Tensor | None = None  # (n_layer, B, n_head, head_dim, Tp) the prefix's keys, transposed
         self.all_real = True  # every key written so far is a real token (no pad was written)
         self.group = 1
@@ -111,7 +111,8 @@ class KVCache:
         out = KVCache(cfg, B * repeats, max_new, self.k.device, self.k.dtype)
         out.prefix, out.group = self, repeats
         prompt = self.key_mask[:, None, None, : self.length]  # (B, 1, 1, Tp), fixed for the whole rollout
-        out.prefix_bias = torch.zeros(prompt.shape, device=self.k.device).masked_fill(~prompt, float("-inf"))
+        bias = torch.zeros(prompt.shape, device=self.k.device, dtype=self.k.dtype).masked_fill(~prompt, float("-inf"))
+        out.prefix_bias = bias.expand(-1, self.k.shape[2], -1, -1).contiguous()  # (B, H, 1, Tp): a view per step
         out.prefix_k_t = self.k[:, :, :, : self.length].transpose(-1, -2).contiguous()
         return out
 
@@ -238,8 +239,9 @@ def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scal
     rollout: the prompt part is then one batched matmul with the scale and the pad bias fused in);
     vp: (B, Hkv, Tp, D); k, v: (N, Hkv, t, D) each row's own positions so far; H = Hkv * r
     (grouped-query attention: key head i serves query heads i*r .. i*r+r-1); prefix_bias: additive
-    (0 or -inf) bias of the prompt keys, (B, 1, 1, Tp) or (B, Hkv, 1, Tp); key_mask: (N, t) bool,
-    True = attend, or None when every row key is real (a decode cache). Returns (N, H, 1, D).
+    (0 or -inf) bias of the prompt keys in q's dtype, (B, Hkv, 1, Tp) (made once per rollout; a
+    (B, 1, 1, Tp) bias also works, at the cost of a copy per call); key_mask: (N, t) bool, True =
+    attend, or None when every row key is real (a decode cache). Returns (N, H, 1, D).
     """
     N, H, T, D = q.shape
     if T != 1:
@@ -250,7 +252,7 @@ def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scal
     q = q.reshape(N, Hkv, r, D)
     qg = q.view(B, G, Hkv, r, D).transpose(1, 2).reshape(B * Hkv, G * r, D)  # a group's queries together
     bias = prefix_bias.expand(B, Hkv, 1, Tp).reshape(B * Hkv, 1, Tp)
-    sp = torch.baddbmm(bias.to(q.dtype), qg, kp_t.reshape(B * Hkv, D, Tp), alpha=scale)  # (B*Hkv, G*r, Tp)
+    sp = torch.baddbmm(bias, qg, kp_t.reshape(B * Hkv, D, Tp), alpha=scale)  # (B*Hkv, G*r, Tp)
     sp = sp.view(B, Hkv, G, r, Tp).transpose(1, 2).reshape(N, Hkv, r, Tp)
     sr = (q @ k.transpose(-1, -2)) * scale  # (N, Hkv, r, t)
     if key_mask is not None:

@@ -126,8 +126,10 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=
     included); `attention_mask`: (B, 1, 1, Tp) additive bias of the prompt keys (0 or -inf).
     Returns (N, 1, H, D) like transformers' own attention functions.
     """
-    kp_t, vp = _active[-1].prefix[module.layer_idx]  # (B, Hkv, D, Tp), (B, Hkv, Tp, D)
-    y = grouped_prefix_attention(query, kp_t, vp, key, value, attention_mask, scale=scaling)  # (N, H, 1, D)
+    dec = _active[-1]
+    kp_t, vp = dec.prefix[module.layer_idx]  # (B, Hkv, D, Tp), (B, Hkv, Tp, D)
+    # the prompt bias expanded over key heads once per rollout (`attention_mask` is its (B, 1, 1, Tp) form)
+    y = grouped_prefix_attention(query, kp_t, vp, key, value, dec.prefix_bias, scale=scaling)  # (N, H, 1, D)
     return y.transpose(1, 2), None
 
 
@@ -206,6 +208,7 @@ class HFDecoder:
             self.cache = _ResponseCache([layer.values for layer in self.cache.layers], B * repeats, self.max_len - T)
             bias = torch.zeros(B, 1, 1, T, dtype=self.prefix[0][0].dtype, device=input_ids.device)
             self.mask = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+            self.prefix_bias = self.mask.expand(-1, self.prefix[0][0].shape[1], -1, -1).contiguous()  # (B, Hkv, 1, T)
         else:
             if repeats > 1:
                 self._repeat_cache(repeats)
