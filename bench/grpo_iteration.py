@@ -31,9 +31,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (alternate, default_gsm8k, emit, machine_line, matmul_ceiling, matmul_params, matmul_peak,
-                    matmul_weights,  # noqa: E402
-                    median, prepare_with_random_policy, timed, workdir)
+from common import (alternate, default_gsm8k, emit, machine_line, matmul_ceiling, matmul_params,  # noqa: E402
+                    matmul_peak, matmul_weights, median, prepare_with_random_policy, timed, workdir)
 
 import torch  # noqa: E402
 

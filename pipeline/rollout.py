@@ -114,7 +114,7 @@ def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) 
     """
     N, V = probs.shape
     pad = (-V) % _CDF_BLOCK
-    w = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    w = F.pad(probs, (0, pad)) if pad else probs
     w = w.view(N, -1, _CDF_BLOCK)  # (N, nb, blk)
     block_mass = w.sum(-1)  # (N, nb)
     block_cdf = block_mass.cumsum(-1)  # (N, nb)
@@ -273,10 +273,9 @@ class _TokenLogProb(torch.autograd.Function):
 
 
 def token_logprobs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """log p(target) under logits (..., V) -> (...); differentiable (fused backward) when grad is on."""
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _TokenLogProb.apply(logits, target)
-    return logits.gather(-1, target[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """log p(target) under logits (..., V) -> (...); differentiable with the fused backward (under
+    no_grad / inference_mode no graph is recorded and nothing is kept)."""
+    return _TokenLogProb.apply(logits, target)
 
 
 def _gather_logprobs(logits, input_ids, attention_mask, temperature: float, start: int) -> torch.Tensor:
