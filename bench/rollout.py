@@ -45,6 +45,7 @@ from pipeline.config import ModelConfig  # noqa: E402
 from pipeline.model.gpt import GPT, GPTConfig  # noqa: E402
 from pipeline.model.hf import HFDecoder, HFTokenizer  # noqa: E402
 from pipeline.model.policy import Policy, _Autocasting  # noqa: E402
+import pipeline.rollout as rollout_module  # noqa: E402
 from pipeline.rollout import rollout_prompts  # noqa: E402
 from pipeline.tokenizer import EOS, PAD, train_tokenizer  # noqa: E402
 
@@ -125,6 +126,17 @@ def main() -> None:
             assert int(r.response_lengths.sum()) == args.prompts * args.group * new_tokens
         return run
 
+    def unpacked(run):
+        """The same rollout with the per-call F.linear instead of the weights packed once (the A/B arm)."""
+        def wrapped():
+            orig = rollout_module.packed_linears
+            rollout_module.packed_linears = lambda module, rows, enabled=True: orig(module, rows, enabled=False)
+            try:
+                run()
+            finally:
+                rollout_module.packed_linears = orig
+        return wrapped
+
     def hf_generate():
         torch.manual_seed(1)
         with torch.inference_mode():
@@ -147,7 +159,8 @@ def main() -> None:
     plain = Policy(llama, hf_policy.tokenizer, hf_policy.model_cfg)  # the per-row StaticCache decoder
     plain.decoder = lambda max_len: _Autocasting(HFDecoder(llama, max_len, shared_prefix=False), plain)
     tok_s, times = timed({"ours_hf_llama": ours(hf_policy), "hf_generate": hf_generate, "ours_gpt": ours(gpt_policy),
-                          "ours_hf_static_cache": ours(plain)}, args.repeats, n_tokens)
+                          "ours_hf_static_cache": ours(plain), "ours_hf_unpacked": unpacked(ours(hf_policy)),
+                          "ours_gpt_unpacked": unpacked(ours(gpt_policy))}, args.repeats, n_tokens)
     no_cache = Policy(llama, hf_policy.tokenizer, hf_policy.model_cfg)
     no_cache.decoder = lambda max_len: NoCacheDecoder(no_cache, max_len)
     n_short = args.prompts * args.group * args.no_cache_new_tokens
@@ -167,7 +180,10 @@ def main() -> None:
               "cache_speedup": round(speedup, 3), "no_cache_new_tokens": args.no_cache_new_tokens,
               "ours_gpt_tok_s": round(tok_s["ours_gpt"], 1),
               "ours_hf_static_cache_tok_s": round(tok_s["ours_hf_static_cache"], 1),
-              "shared_prefix_speedup": round(tok_s["ours_hf_llama"] / tok_s["ours_hf_static_cache"], 3)}
+              "shared_prefix_speedup": round(tok_s["ours_hf_llama"] / tok_s["ours_hf_static_cache"], 3),
+              "packed_linear_speedup_hf": round(tok_s["ours_hf_llama"] / tok_s["ours_hf_unpacked"], 3),
+              "packed_linear_speedup_gpt": round(tok_s["ours_gpt"] / tok_s["ours_gpt_unpacked"], 3),
+              "ratio_unpacked": round(tok_s["ours_hf_unpacked"] / tok_s["hf_generate"], 3)}
     print(json.dumps(result))
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model.gpt import positions_from_mask
+from pipeline.model.packed import packed_linears
 from pipeline.model.policy import Policy
 
 
@@ -170,26 +171,29 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
     policy.eval()
     decoder = policy.decoder(Tp + max_new_tokens)
     positions = positions_from_mask(mask)  # (B, Tp)
-    logits = decoder.prefill(ids, mask, positions, G)  # (N, V): one prefill per distinct prompt
-    next_pos = positions[:, -1].repeat_interleave(G) + 1  # (N,)
+    # CPU fp32: each linear layer's weight packed once for MKL, not re-packed by every decode matmul.
+    packing = packed_linears(policy.module, N, enabled=dev.type == "cpu" and policy.autocast_dtype is None)
+    with packing:
+        logits = decoder.prefill(ids, mask, positions, G)  # (N, V): one prefill per distinct prompt
+        next_pos = positions[:, -1].repeat_interleave(G) + 1  # (N,)
 
-    out_tokens = torch.full((N, max_new_tokens), tok.pad_id, dtype=torch.long, device=dev)
-    out_logp = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=dev)
-    done = torch.zeros(N, dtype=torch.bool, device=dev)  # stopped on a stop token
-    lengths = torch.zeros(N, dtype=torch.long, device=dev)
-    pad = torch.tensor(tok.pad_id, device=dev)
-    check_every = 8 if dev.type == "cuda" else 1  # `done.all()` syncs the GPU: check sparsely
-    for t in range(max_new_tokens):
-        tokens, logp = sample_next(logits, temperature, top_p, top_k, greedy, generator)  # (N,), (N,)
-        tokens = torch.where(done, pad, tokens)
-        out_tokens[:, t] = tokens
-        out_logp[:, t] = logp.masked_fill(done, 0.0)
-        lengths += (~done).long()
-        done |= torch.isin(tokens, stop)
-        if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and bool(done.all())):
-            break
-        logits = decoder.step(tokens, next_pos)  # (N, V)
-        next_pos += 1
+        out_tokens = torch.full((N, max_new_tokens), tok.pad_id, dtype=torch.long, device=dev)
+        out_logp = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=dev)
+        done = torch.zeros(N, dtype=torch.bool, device=dev)  # stopped on a stop token
+        lengths = torch.zeros(N, dtype=torch.long, device=dev)
+        pad = torch.tensor(tok.pad_id, device=dev)
+        check_every = 8 if dev.type == "cuda" else 1  # `done.all()` syncs the GPU: check sparsely
+        for t in range(max_new_tokens):
+            tokens, logp = sample_next(logits, temperature, top_p, top_k, greedy, generator)  # (N,), (N,)
+            tokens = torch.where(done, pad, tokens)
+            out_tokens[:, t] = tokens
+            out_logp[:, t] = logp.masked_fill(done, 0.0)
+            lengths += (~done).long()
+            done |= torch.isin(tokens, stop)
+            if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and bool(done.all())):
+                break
+            logits = decoder.step(tokens, next_pos)  # (N, V)
+            next_pos += 1
     policy.train(was_training)
 
     L = t + 1
