@@ -55,8 +55,6 @@ class DataConfig:
     """Hardest curriculum level generated (1: one-digit +/-, ..., 5: two-step three-digit)."""
     arith_solution: Literal["digits", "lines"] = "digits"
     """Worked arithmetic solutions: column by column with carries (`digits`) or one line per operation."""
-    arith_direct_fraction: float = 0.0
-    """Fraction of curriculum training rows whose solution is the bare answer, with no worked lines."""
     prompt_template: str = DEFAULT_TEMPLATE
     """The one prompt template for every task; must contain `{question}`."""
     vocab_size: int = 2048
@@ -275,7 +273,6 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("data.arith_train_size", d.arith_train_size >= 1, "an integer >= 1"),
         ("data.arith_eval_size", d.arith_eval_size >= 1, "an integer >= 1"),
         ("data.arith_max_level", 1 <= d.arith_max_level <= 5, "an integer in [1, 5]"),
-        ("data.arith_direct_fraction", 0.0 <= d.arith_direct_fraction <= 1.0, "a number in [0, 1]"),
         ("data.prompt_template", "{question}" in d.prompt_template, "a string containing {question}"),
         ("data.vocab_size", 300 <= d.vocab_size <= 1_000_000, "an integer in [300, 1000000]"),
         ("model.n_layer", m.n_layer >= 1, "an integer >= 1"),

@@ -41,7 +41,6 @@ def test_dump_round_trips():
     ("grpo.clip=1.0", r"grpo\.clip = 1.0 is out of range"),
     ("grpo.lr=0", r"grpo\.lr = 0.0 is out of range; allowed: a number > 0"),
     ("sft.lr=-1e-3", r"sft\.lr = -0.001 is out of range"),
-    ("data.arith_direct_fraction=1.5", r"data\.arith_direct_fraction = 1.5 is out of range; allowed: a number in \[0, 1\]"),
     ("grpo.temperature=0", r"grpo\.temperature = 0.0 is out of range; allowed: a number > 0"),
     ("grpo.top_p=0", r"grpo\.top_p = 0.0 is out of range; allowed: a number in \(0, 1\]"),
     ("grpo.top_p=1.5", r"grpo\.top_p = 1.5 is out of range"),

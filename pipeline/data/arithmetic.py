@@ -18,10 +18,6 @@ borrows written out), so what a model learns on one problem carries over to unse
 a two-digit sum is one opaque step. The held-out set
 has distinct expressions, none of which appear in the training stream (disjoint by expression, so a
 rephrasing does not leak). Both sets have every level equally often (levels round-robin, shuffled).
-
-`direct_fraction` of the training rows (seeded) answer at once instead, with no worked lines
-(`<answer>85</answer>`): a warm start trained on both kinds of solution samples both, and GRPO's
-reward then tells it which one is worth the tokens (column-by-column is right far more often).
 """
 
 from __future__ import annotations
@@ -185,7 +181,7 @@ def sample_problem(level: int, rng: random.Random) -> Problem:
     return GENERATORS[level](rng)
 
 
-SOLUTION_STYLES = ("digits", "lines", "direct")
+SOLUTION_STYLES = ("digits", "lines")
 
 
 def solution_text(p: Problem, style: str = "digits") -> str:
@@ -194,8 +190,6 @@ def solution_text(p: Problem, style: str = "digits") -> str:
         steps = list(p.steps)
     elif style == "digits":
         steps = [line for a, op, b in p.ops for line in worked_lines(a, op, b)]
-    elif style == "direct":
-        steps = []
     else:
         raise ValueError(f"arithmetic solution style {style!r} is not one of {SOLUTION_STYLES}")
     return "".join(f"{s}.\n" for s in steps) + format_answer(p.answer)
@@ -213,17 +207,11 @@ def _levels(n: int, max_level: int, rng: random.Random) -> list[int]:
     return levels
 
 
-def generate_curriculum(train_size: int, eval_size: int, max_level: int, seed: int, template: str,
-                        style: str = "digits", direct_fraction: float = 0.0,
-                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(training stream, held-out set): seeded, every level equally often, disjoint by expression;
-    `direct_fraction` of the training rows (drawn from their own seeded stream, so the problems do
-    not depend on it) get the bare answer as their solution."""
+def generate_curriculum(train_size: int, eval_size: int, max_level: int, seed: int,
+                        template: str, style: str = "digits") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training stream, held-out set): seeded, every level equally often, disjoint by expression."""
     if not 1 <= max_level <= MAX_LEVEL:
         raise ValueError(f"max_level must be in 1..{MAX_LEVEL}, got {max_level}")
-    if not 0.0 <= direct_fraction <= 1.0:
-        raise ValueError(f"direct_fraction must be in [0, 1], got {direct_fraction}")
-    rng_direct = random.Random(f"arith-direct-{seed}")
     rng_eval, rng_train = random.Random(f"arith-eval-{seed}"), random.Random(f"arith-train-{seed}")
     held_out: set[str] = set()
     eval_rows = []
@@ -245,6 +233,5 @@ def generate_curriculum(train_size: int, eval_size: int, max_level: int, seed: i
                 break
         else:
             raise InputError(f"data.arith_eval_size = {eval_size} leaves no level-{level} problems for training")
-        direct = direct_fraction > 0 and rng_direct.random() < direct_fraction
-        train_rows.append(to_row(p, f"arith-train-{i:06d}", rng_train, template, "direct" if direct else style))
+        train_rows.append(to_row(p, f"arith-train-{i:06d}", rng_train, template, style))
     return train_rows, eval_rows

@@ -116,8 +116,7 @@ def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     _report_bad(bad)
     gsm_train, gsm_val = split_validation(gsm_train, d.val_size, d.seed)
     arith_train, arith_eval = generate_curriculum(d.arith_train_size, d.arith_eval_size, d.arith_max_level,
-                                                  d.seed, d.prompt_template, d.arith_solution,
-                                                  d.arith_direct_fraction)
+                                                  d.seed, d.prompt_template, d.arith_solution)
     splits = {"gsm8k_train": gsm_train, "gsm8k_val": gsm_val, "gsm8k_test": gsm_test,
               "arith_train": arith_train, "arith_eval": arith_eval}
 
