@@ -233,6 +233,21 @@ def test_blocked_cdf_sampling_never_draws_a_zero_weight_token(seed, vocab, keep)
     assert (w.gather(1, tokens[:, None]) > 0).all()
 
 
+def test_blocked_cdf_sampling_with_uniforms_exactly_on_boundaries(monkeypatch):
+    """Uniforms that land exactly on a cumulative boundary (0, or the mass of the blocks before)
+    must skip the zero-weight columns and blocks there: both searches look for the first CDF value
+    strictly above the uniform."""
+    from pipeline.rollout import _inverse_cdf_sample
+
+    w = torch.zeros(3, 150)
+    w[:2, 1] = w[:2, 5] = 0.25  # block 0 holds half the mass; column 64 (block 1's first) is empty
+    w[:2, 65] = 0.5
+    w[2, 70] = 1.0  # block 0 entirely empty
+    uniforms = torch.tensor([[0.5], [0.0], [0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: uniforms.clone())
+    assert _inverse_cdf_sample(w, None).tolist() == [65, 1, 70]
+
+
 def test_blocked_cdf_sampling_frequencies_across_blocks():
     """Across several 64-column blocks (and a padded last one) each token is drawn with its
     probability, and the log-prob returned is log_softmax's."""
