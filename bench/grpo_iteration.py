@@ -31,10 +31,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (alternate, default_gsm8k, emit, machine_line, matmul_ceiling, matmul_params,  # noqa: E402
+from common import (alternate, default_gsm8k, emit, machine_line, matmul_ceiling, matmul_params,
                     matmul_peak, matmul_weights, median, prepare_with_random_policy, timed, workdir)
 
-import torch  # noqa: E402
+import torch
 
 PHASES = ("rollout", "scoring", "logprobs", "update")
 
@@ -42,8 +42,8 @@ PHASES = ("rollout", "scoring", "logprobs", "update")
 def model_dims(policy) -> tuple[int, int, int, int]:
     """(N matmul params, LM-head params, layers, width) of either backend."""
     cfg = policy.module.config
-    layers = getattr(cfg, "n_layer", None) or getattr(cfg, "num_hidden_layers")
-    width = getattr(cfg, "n_embd", None) or getattr(cfg, "hidden_size")
+    layers = getattr(cfg, "n_layer", None) or cfg.num_hidden_layers
+    width = getattr(cfg, "n_embd", None) or cfg.hidden_size
     return matmul_params(policy.module), cfg.vocab_size * width, layers, width
 
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, default_gsm8k, emit, load_avg, workdir  # noqa: E402
+from common import ROOT, default_gsm8k, emit, load_avg, workdir
 
 REDUCED = ["sft.steps=20", "sft.eval_every=20", "warmup.iterations=2", "grpo.iterations=2", "warmup.eval_every=2",
            "grpo.eval_every=2", "warmup.eval_samples=16", "grpo.eval_samples=16", "evaluate.gsm8k_limit=64",

@@ -39,15 +39,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from pipeline.config import ModelConfig  # noqa: E402
-from pipeline.model.gpt import GPT, GPTConfig  # noqa: E402
-from pipeline.model.hf import HFDecoder, HFTokenizer  # noqa: E402
-from pipeline.model.policy import Policy, _Autocasting  # noqa: E402
-import pipeline.rollout as rollout_module  # noqa: E402
-from pipeline.rollout import rollout_prompts  # noqa: E402
-from pipeline.tokenizer import EOS, PAD, train_tokenizer  # noqa: E402
+from pipeline.config import ModelConfig
+from pipeline.model.gpt import GPT, GPTConfig
+from pipeline.model.hf import HFDecoder, HFTokenizer
+from pipeline.model.policy import Policy, _Autocasting
+import pipeline.rollout as rollout_module
+from pipeline.rollout import rollout_prompts
+from pipeline.tokenizer import EOS, PAD, train_tokenizer
 
 
 def synthetic_texts(n: int = 3000, seed: int = 0) -> list[str]:
@@ -164,8 +164,8 @@ def main() -> None:
     no_cache = Policy(llama, hf_policy.tokenizer, hf_policy.model_cfg)
     no_cache.decoder = lambda max_len: NoCacheDecoder(no_cache, max_len)
     n_short = args.prompts * args.group * args.no_cache_new_tokens
-    cache_tok_s, cache_times = timed({"cache": ours(hf_policy, args.no_cache_new_tokens),
-                                      "no_cache": ours(no_cache, args.no_cache_new_tokens)}, 1, n_short, warm_up=False)
+    cache_tok_s, _ = timed({"cache": ours(hf_policy, args.no_cache_new_tokens),
+                            "no_cache": ours(no_cache, args.no_cache_new_tokens)}, 1, n_short, warm_up=False)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; Llama {args.layers}x{args.width}, "
           f"vocab {V}, {args.prompts}x{args.group} completions, prompt {args.prompt_len}, new {args.new_tokens}")
     for name, v in tok_s.items():

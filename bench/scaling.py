@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (alternate, arith_rows, emit, machine_line, median, synthetic_corpus, workdir,  # noqa: E402
+from common import (alternate, arith_rows, emit, machine_line, median, synthetic_corpus, workdir,
                     write_rows)
 
-import torch  # noqa: E402
+import torch
 
 GROUPS, LENGTHS = (4, 8, 16), (32, 64, 128)
 

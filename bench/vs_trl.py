@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arith_rows, emit, load_avg, median, synthetic_corpus, workdir, write_rows  # noqa: E402
+from common import arith_rows, emit, load_avg, median, synthetic_corpus, workdir, write_rows
 
-import torch  # noqa: E402
+import torch
 
 PROMPTS, GROUP, NEW_TOKENS, BETA, CLIP, LR = 8, 8, 32, 0.04, 0.2, 2e-5
 

@@ -108,12 +108,12 @@ def experiment_id(cfg: Config, client=None) -> str:
 def git_commit(cwd: str | Path = ".") -> str | None:
     """HEAD commit of the working directory's git repo, with ``-dirty`` if tracked files changed."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, check=False, capture_output=True, text=True,
                               timeout=10)
         if head.returncode != 0:
             return None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10)
+                               capture_output=True, text=True, check=False, timeout=10)
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None

@@ -88,7 +88,7 @@ def test_yaml_scientific_notation_string_is_accepted(tmp_path):
 
 def _cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+                          check=False, timeout=120)
 
 
 def test_cli_error_is_one_line_exit_2():

@@ -24,7 +24,7 @@ DVC_ENV = {**os.environ, **QUIET_ENV, "PATH": f"{BIN}{os.pathsep}{os.environ.get
 def sh(cwd: Path, *args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `dvc ...` (through this interpreter, so `python` in stage commands is the same env) or git."""
     cmd = [sys.executable, "-m", "dvc", *args[1:]] if args[0] == "dvc" else list(args)
-    proc = subprocess.run(cmd, cwd=cwd, env=DVC_ENV, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=DVC_ENV, capture_output=True, text=True, check=False, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
