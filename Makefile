@@ -48,6 +48,13 @@ clean-outputs:
 # never enters the product's lock: torch first (the local CPU wheel; a bare `torch` would pull CUDA).
 BENCH_VENV ?= .venv-bench
 BENCH_BIN  := $(BENCH_VENV)/bin
+.PHONY: device-kit
+# What bench/device_check.sh needs on a lent GPU machine that the working tree does not carry: the
+# local GSM8K copy (../shared does not travel). .device/ is git-ignored; name it in the tool's carry.
+device-kit:
+	mkdir -p .device && cp -r $(or $(GSM8K),../shared/data/gsm8k) .device/gsm8k
+	@echo "then: the device tool's run, command 'bash bench/device_check.sh', carry ['.device']"
+
 .PHONY: bench-venv
 bench-venv: $(BENCH_VENV)/.installed
 

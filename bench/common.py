@@ -116,21 +116,27 @@ def matmul_params(module) -> int:
     return sum(o * i for o, i in matmul_weights(module))
 
 
-def matmul_ceiling(shapes: list[tuple[int, int]], rows: int, repeats: int = 5) -> float:
+def matmul_ceiling(shapes: list[tuple[int, int]], rows: int, repeats: int = 5, dtype: str = "float32",
+                   device: str = "cpu") -> float:
     """FLOP/s of the model's own weight matmuls at `rows` rows: (rows x in) @ (in x out) for every
     (out, in) in `shapes`, best of `repeats` each, total FLOPs over total time: what this machine's
     BLAS gives these shapes, so how far an iteration is from its matmuls' own speed (on the 2-core
     CPU the width-96 default's weights reach 86-93% of the 2048^3 peak: docs/performance.md)."""
     import torch
 
+    dt = getattr(torch, dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     flops, secs = 0.0, 0.0
     for out_f, in_f in shapes:
-        a, w = torch.randn(rows, in_f), torch.randn(in_f, out_f)
+        a = torch.randn(rows, in_f, dtype=dt, device=device)
+        w = torch.randn(in_f, out_f, dtype=dt, device=device)
         torch.mm(a, w)
+        sync()
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
             torch.mm(a, w)
+            sync()
             best = min(best, time.perf_counter() - t0)
         flops += 2 * rows * in_f * out_f
         secs += best

@@ -16,7 +16,11 @@ log-prob passes):
   attention 4*L*C*ctx per token forward (QK^T and AV; ctx = attended keys, causal: T/2 on average),
             x3 in the update
 The peak is the best fp32 ``torch.mm`` of 2048x2048 at the same thread count, measured before and
-after the iterations in the same process (the larger is used).
+after the iterations in the same process (the larger is used). On CUDA (``model.device`` auto or
+cuda, e.g. ``--params configs/gpu.yaml``) it is the best bf16 ``torch.mm`` of 8192x8192 on the GPU
+instead, the weight-matmul ceiling is taken in bf16 there too, and the figures add MFU against the
+GPU's datasheet dense bf16 peak where known (H100/H200 SXM: 989.4 TFLOP/s) and
+``torch.cuda.max_memory_allocated``. ``bench/device_check.sh`` runs it on a lent GPU machine.
 
     .venv/bin/python bench/grpo_iteration.py [--params params.yaml] [--set grpo.group_size=16 ...]
         [--gsm8k PATH] [--threads 1] [--iters 1] [--ab-full-logits] [--ab-shared-prompt]
@@ -37,6 +41,8 @@ from common import (alternate, default_gsm8k, emit, machine_line, matmul_ceiling
 import torch
 
 PHASES = ("rollout", "scoring", "logprobs", "update")
+# dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, FLOP/s, by device-name substring
+DATASHEET_BF16 = {"H200": 989.4e12, "H100 SXM": 989.4e12, "H100 80GB HBM3": 989.4e12, "A100": 312e12}
 
 
 def model_dims(policy) -> tuple[int, int, int, int]:
@@ -110,9 +116,18 @@ def main() -> None:
     from pipeline.config import load_config
     from pipeline.stages.train import GRPOTrainer
 
+    from pipeline.model.policy import resolve_device
+
     gsm8k = args.gsm8k or default_gsm8k()
     cfg = load_config(args.params, [f"data.gsm8k_source={gsm8k}", "tracking.enabled=false", *args.overrides])
-    peak0 = matmul_peak(2048, 3)
+    device = resolve_device(cfg.model.device)
+    cuda = device.type == "cuda"
+    # the practical matmul peak of the device the iteration runs on: fp32 2048^3 on CPU, bf16 8192^3 on CUDA
+    peak_args = dict(n=8192, repeats=10, dtype="bfloat16", device=str(device)) if cuda else dict(n=2048, repeats=3)
+    ceil_args = dict(dtype="bfloat16", device=str(device)) if cuda else {}
+    peak0 = matmul_peak(**peak_args)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     with workdir():
         t_prep, _ = timed(lambda: prepare_with_random_policy(cfg))
         trainer = GRPOTrainer(cfg, args.stage)
@@ -142,11 +157,15 @@ def main() -> None:
         times = all_times["iteration"]
         metrics = metrics[1:]  # drop the warm-up
         ro, policy, g = seen["ro"], trainer.policy, trainer.g
-    peak = max(peak0, matmul_peak(2048, 3))
+    max_mem = torch.cuda.max_memory_allocated(device) if cuda else None
+    peak = max(peak0, matmul_peak(**peak_args))
     shapes = matmul_weights(policy.module)
     # the same weight matmuls alone: at the decode steps' rows, and at the log-prob/update passes' rows
-    ceil_decode = matmul_ceiling(shapes, ro.input_ids.shape[0])
-    ceil_train = matmul_ceiling(shapes, int(ro.input_ids.shape[0] * (ro.input_ids.shape[1] - ro.prompt_len)))
+    ceil_decode = matmul_ceiling(shapes, ro.input_ids.shape[0], **ceil_args)
+    ceil_train = matmul_ceiling(shapes, int(ro.input_ids.shape[0] * (ro.input_ids.shape[1] - ro.prompt_len)),
+                                **ceil_args)
+    gpu_name = torch.cuda.get_device_name(device) if cuda else None
+    spec = DATASHEET_BF16.get(next((k for k in DATASHEET_BF16 if gpu_name and k in gpu_name), None))
 
     N, H, L, C = model_dims(policy)
     B, rows, Tp = g.prompts_per_iter, ro.input_ids.shape[0], ro.prompt_len
@@ -169,7 +188,11 @@ def main() -> None:
           f"prompt width {Tp}, {steps} decode steps, {gen_tokens:.0f} generated tokens; kl_coef {g.kl_coef}; "
           f"prepare took {t_prep:.1f}s (not timed); random init; log-prob passes "
           + ("run each prompt once per group" if shared else "run every row's prompt"))
-    print(f"matmul peak (fp32 2048^3 mm, {args.threads} thread(s)): {peak / 1e9:.1f} GFLOP/s")
+    if cuda:
+        print(f"device: {gpu_name}; matmul peak (bf16 8192^3 mm, measured): {peak / 1e12:.1f} TFLOP/s"
+              + (f"; datasheet dense bf16 {spec / 1e12:.1f} TFLOP/s" if spec else ""))
+    else:
+        print(f"matmul peak (fp32 2048^3 mm, {args.threads} thread(s)): {peak / 1e9:.1f} GFLOP/s")
     print(f"iteration: {wall:.3f}s (median of {len(times)}: " + ", ".join(f"{t:.3f}" for t in times) + ")")
     print(f"{'phase':10s} {'s':>8s} {'share':>6s} {'GFLOP':>8s} {'GFLOP/s':>8s} {'of peak':>8s}")
     for p, s in phase_s.items():
@@ -179,6 +202,10 @@ def main() -> None:
     rate = total_flops / wall
     print(f"{'total':10s} {wall:8.3f} {1:6.0%} {total_flops / 1e9:8.2f} {rate / 1e9:8.2f} {rate / peak:8.1%}")
     print(f"tokens/s (generated tokens / iteration wall): {gen_tokens / wall:.0f}")
+    if cuda:
+        print(f"MFU: {rate / peak:.1%} of the measured bf16 peak"
+              + (f", {rate / spec:.1%} of the datasheet's" if spec else "")
+              + f"; max CUDA memory allocated {max_mem / 2**30:.2f} GiB")
     print(f"the model's weight matmuls alone (no attention, no other ops): {ceil_decode / 1e9:.2f} GFLOP/s "
           f"({ceil_decode / peak:.1%} of peak) at the decode steps' {rows} rows, {ceil_train / 1e9:.2f} GFLOP/s "
           f"({ceil_train / peak:.1%}) at the log-prob/update passes' {rows * steps} response rows; the iteration "
@@ -205,7 +232,10 @@ def main() -> None:
           "decode_shape_matmul_gflop_s": round(ceil_decode / 1e9, 2),
           "train_shape_matmul_gflop_s": round(ceil_train / 1e9, 2),
           "generated_tokens": gen_tokens, "tokens_per_s": round(gen_tokens / wall, 1),
-          "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps, "shared_prompt": shared, **ab})
+          "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps, "shared_prompt": shared,
+          "device": gpu_name or "cpu",
+          **({"mfu_datasheet": round(rate / spec, 4), "datasheet_bf16_tflop_s": spec / 1e12} if spec else {}),
+          **({"max_cuda_memory_gib": round(max_mem / 2**30, 3)} if cuda else {}), **ab})
 
 
 if __name__ == "__main__":

@@ -288,6 +288,11 @@ class GRPOTrainer:
         rollout = ts.select_rollouts(kept[:per_rank], self.policy.tokenizer.pad_id)
         return kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), dropped, times
 
+    def _sync(self) -> None:
+        """Wait for queued CUDA work, so that the phase timings are the phases' own (no-op on CPU)."""
+        if self.policy.device.type == "cuda":
+            torch.cuda.synchronize(self.policy.device)
+
     def iteration(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         g, G = self.g, self.g.group_size
         t_start = time.perf_counter()
@@ -295,6 +300,7 @@ class GRPOTrainer:
         adv = group_advantages(rewards, G, norm=g.adv_norm)
         ids, attn, resp = ro.input_ids, ro.attention_mask, ro.response_mask
         start = ro.prompt_len  # responses start here: no vocabulary projection over the prompts
+        self._sync()
         t_lp = time.perf_counter()
         single_step = g.grpo_epochs == 1 and (g.minibatch_groups in (0, g.prompts_per_iter // self.world))
         with torch.inference_mode():
@@ -303,10 +309,12 @@ class GRPOTrainer:
             old_lp = None if single_step else compute_logprobs(self.policy, ids, attn, g.temperature, start=start, group_size=G)
             ref_lp = (compute_logprobs(self.ref, ids, attn, g.temperature, start=start, group_size=G)
                       if self.ref is not None else None)
+        self._sync()
         t_upd = time.perf_counter()
         lr = lr_at(self.it, self.total_iters, g.lr, g.warmup_iters, g.lr_schedule)
         set_lr(self.optimizer, lr)
         stats = self._update(ids, attn, resp, adv, old_lp, ref_lp, start)
+        self._sync()
         t_end = time.perf_counter()
 
         resp_f = resp.float()
