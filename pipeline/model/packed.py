@@ -14,6 +14,7 @@ the layers' calls through ``torch.ops.mkl._mkl_linear`` until the block ends.
 - A no-op where it does not apply: no MKL in this torch build (e.g. ARM), a non-CPU or non-fp32
   model, or autocast in use (``model.dtype: bfloat16`` on CPU).
 - ``transformers``' GPT-2 ``Conv1D`` (a linear layer with a transposed weight) is packed as well.
+- Memory: the packed copies live for the block, about the size of the linear weights again.
 
 Measured in ``bench/rollout.py`` (``packed_linear_speedup``); see docs/performance.md.
 """
