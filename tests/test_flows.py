@@ -50,12 +50,24 @@ def smoke_outputs() -> set[str]:
     return files | {"metrics/eval.json"}
 
 
-def task_runs_of(flow_run_id):
+def task_runs_of(flow_run_id, expect=(), timeout: float = 60.0):
+    """The flow run's task runs, once the API holds a final state for each (and a run of every task
+    named in `expect`): task-run states reach the API as events, so right after the flow returns a
+    run can still be missing, or its state None or not final."""
+    import time
+
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
-        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            names = {r.name.rsplit("-", 1)[0] for r in runs}  # task run names are "<task>-<n>"
+            settled = all(r.state is not None and r.state.is_final() for r in runs) and set(expect) <= names
+            if settled or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.5)
 
 
 def settled_state(state, timeout: float = 60.0):
@@ -179,7 +191,7 @@ def test_flow_structure_with_fake_stages(monkeypatch, tmp_path, harness):
     flow_run_id = state.state_details.flow_run_id
     assert [n for n, _ in order] == list(STAGES)
     assert {fr for _, fr in order} == {str(flow_run_id)}
-    runs = task_runs_of(flow_run_id)
+    runs = task_runs_of(flow_run_id, expect=STAGES)
     names = [r.name.rsplit("-", 1)[0] for r in runs]  # task run names are "<task>-<n>"
     assert sorted(n for n in names if n in STAGES) == sorted(STAGES)
     assert all(r.state.is_completed() for r in runs)
@@ -214,7 +226,7 @@ def test_failed_stage_fails_the_flow_and_marks_parent_failed(monkeypatch, tmp_pa
     params.write_text(f"tracking:\n  enabled: true\n  uri: {uri}\n  experiment: failtest\n")
     state = settled_state(grpo_pipeline(str(params), return_state=True))
     assert state.is_failed(), state
-    runs = {r.name.rsplit("-", 1)[0]: r for r in task_runs_of(state.state_details.flow_run_id)}
+    runs = {r.name.rsplit("-", 1)[0]: r for r in task_runs_of(state.state_details.flow_run_id, expect={"warmup"})}
     assert runs["warmup"].state.is_failed() and runs["warmup"].run_count == 1  # training is not retried
     assert "grpo" not in runs
     from mlflow.tracking import MlflowClient
@@ -237,7 +249,7 @@ def test_smoke_pipeline_through_flow(tmp_path, harness, monkeypatch):
                           return_state=True)
     assert state.is_completed(), state
     flow_run_id = state.state_details.flow_run_id
-    runs = task_runs_of(flow_run_id)
+    runs = task_runs_of(flow_run_id, expect=STAGES)
     per_stage = {s: [r for r in runs if r.name.rsplit("-", 1)[0] == s] for s in STAGES}
     assert all(len(v) == 1 and v[0].state.is_completed() for v in per_stage.values()), per_stage
     arts = {a.key: a for a in artifacts_of(flow_run_id)}

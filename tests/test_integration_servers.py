@@ -122,7 +122,7 @@ def test_served_deployment_runs_on_trigger(tmp_path, prefect_server):
             assert crons == ["0 3 * * *"] and deployment.parameters["params_path"] == "params.yaml"
             flow_run = run_deployment("grpo-pipeline/itest", timeout=300, poll_interval=2)
             assert flow_run.state.is_completed(), (flow_run.state, log.read_text()[-4000:])
-            runs = task_runs_of(flow_run.id)
+            runs = task_runs_of(flow_run.id, expect=STAGES)
             for stage in STAGES:
                 mine = [r for r in runs if r.name.rsplit("-", 1)[0] == stage]
                 assert len(mine) == 1 and mine[0].state.is_completed(), (stage, runs)
