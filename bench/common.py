@@ -73,14 +73,13 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def matmul_peak(n: int = 1024, repeats: int = 5, dtype: str = "float32", device: str = "cpu") -> float:
-    """Best FLOP/s of an (n x n) @ (n x n) torch.mm at the current thread count: the machine's
-    practical matmul peak (best of `repeats`, after a warm-up)."""
+def _best_mm_seconds(m: int, k: int, n: int, repeats: int, dtype: str, device: str) -> float:
+    """Best seconds of one (m x k) @ (k x n) torch.mm of random operands (after a warm-up; CUDA synced)."""
     import torch
 
     dt = getattr(torch, dtype)
-    a = torch.randn(n, n, dtype=dt, device=device)
-    b = torch.randn(n, n, dtype=dt, device=device)
+    a = torch.randn(m, k, dtype=dt, device=device)
+    b = torch.randn(k, n, dtype=dt, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     torch.mm(a, b)
     sync()
@@ -90,7 +89,13 @@ def matmul_peak(n: int = 1024, repeats: int = 5, dtype: str = "float32", device:
         torch.mm(a, b)
         sync()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return best
+
+
+def matmul_peak(n: int = 1024, repeats: int = 5, dtype: str = "float32", device: str = "cpu") -> float:
+    """Best FLOP/s of an (n x n) @ (n x n) torch.mm at the current thread count: the machine's
+    practical matmul peak (best of `repeats`, after a warm-up)."""
+    return 2 * n ** 3 / _best_mm_seconds(n, n, n, repeats, dtype, device)
 
 
 def matmul_weights(module) -> list[tuple[int, int]]:
@@ -122,24 +127,8 @@ def matmul_ceiling(shapes: list[tuple[int, int]], rows: int, repeats: int = 5, d
     (out, in) in `shapes`, best of `repeats` each, total FLOPs over total time: what this machine's
     BLAS gives these shapes, so how far an iteration is from its matmuls' own speed (on the 2-core
     CPU the width-96 default's weights reach 86-93% of the 2048^3 peak: docs/performance.md)."""
-    import torch
-
-    dt = getattr(torch, dtype)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    flops, secs = 0.0, 0.0
-    for out_f, in_f in shapes:
-        a = torch.randn(rows, in_f, dtype=dt, device=device)
-        w = torch.randn(in_f, out_f, dtype=dt, device=device)
-        torch.mm(a, w)
-        sync()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.mm(a, w)
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        flops += 2 * rows * in_f * out_f
-        secs += best
+    flops = sum(2 * rows * in_f * out_f for out_f, in_f in shapes)
+    secs = sum(_best_mm_seconds(rows, in_f, out_f, repeats, dtype, device) for out_f, in_f in shapes)
     return flops / secs
 
 

@@ -172,8 +172,7 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
     decoder = policy.decoder(Tp + max_new_tokens)
     positions = positions_from_mask(mask)  # (B, Tp)
     # CPU fp32: each linear layer's weight packed once for MKL, not re-packed by every decode matmul.
-    packing = packed_linears(policy.module, N, enabled=dev.type == "cpu" and policy.autocast_dtype is None)
-    with packing:
+    with packed_linears(policy.module, N, enabled=dev.type == "cpu" and policy.autocast_dtype is None):
         logits = decoder.prefill(ids, mask, positions, G)  # (N, V): one prefill per distinct prompt
         next_pos = positions[:, -1].repeat_interleave(G) + 1  # (N,)
 
