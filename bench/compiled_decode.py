@@ -26,12 +26,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, emit, machine_line, median, timed  # noqa: E402
+from common import alternate, emit, machine_line, median, timed
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, apply_rope  # noqa: E402
+from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, apply_rope
 
 
 def static_step(model: GPT, B: int, G: int, Tp: int, M: int):
