@@ -2,13 +2,18 @@
 mean accuracy of k samples at temperature 1, and pass@k. Used to size the SFT and the warmup
 (docs/tuning.md): a big gap between pass@k and greedy is headroom that sampling can reach.
 
-    python bench/arith_probe.py checkpoints/sft [--k 8] [--data data/arith_eval.jsonl]
+With ``--errors`` it also sorts the wrong greedy answers by their first line that differs from the
+worked gold solution (:func:`classify_error`): a wrong one-digit fact on the right operands, a
+miscopied operand, or other. Lines are read with a small integer parser, never evaluated.
+
+    python bench/arith_probe.py checkpoints/sft [--k 8] [--data data/arith_eval.jsonl] [--errors]
     # last line: JSON with the overall and per-level figures
 """
 
 import argparse
 import collections
 import json
+import re
 
 import torch
 
@@ -16,6 +21,49 @@ from pipeline.checkpoint import load_policy
 from pipeline.rewards.parsing import extract_answer
 from pipeline.rewards.verifiers import answers_match
 from pipeline.stages.evaluate import generate
+
+
+_LINE = re.compile(r"^(.*) = (-?\d+)\.$")
+
+
+def calc(expr: str) -> int | None:
+    """Value of ``a op b op c ...`` (integers, ``+ - *``, ``*`` first), or None if it is not that."""
+    toks = expr.split()
+    if len(toks) % 2 == 0 or not all(re.fullmatch(r"-?\d+", t) for t in toks[::2]):
+        return None
+    terms, signs = [int(toks[0])], []
+    for op, tok in zip(toks[1::2], toks[2::2]):
+        if op == "*":
+            terms[-1] *= int(tok)
+        elif op in ("+", "-"):
+            signs.append(op)
+            terms.append(int(tok))
+        else:
+            return None
+    return terms[0] + sum(t if op == "+" else -t for op, t in zip(signs, terms[1:]))
+
+
+def classify_error(solution: str, text: str) -> str:
+    """Kind of the first line of a wrong answer `text` that differs from the gold `solution`:
+    ``fact`` (the gold line's operands, a wrong result), ``copy`` (other operands, the result
+    right for them or the gold line's result), ``both`` (other operands, a result right for
+    neither), ``line`` (a line where the gold has none or an answer line), ``answer`` (all worked
+    lines right, the final answer wrong) or ``format``."""
+    gold, got = solution.strip().split("\n"), text.strip().split("\n")
+    for g, m in zip(gold, got):
+        if g.strip() == m.strip():
+            continue
+        gm, mm = _LINE.match(g.strip()), _LINE.match(m.strip())
+        if mm is None:
+            return "answer" if gm is None and "<answer>" in m else "format"
+        if gm is None:
+            return "line"
+        if gm.group(1) == mm.group(1):
+            return "fact"
+        if gm.group(2) == mm.group(2) or calc(mm.group(1)) == int(mm.group(2)):
+            return "copy"
+        return "both"
+    return "line"
 
 
 def main() -> None:
@@ -26,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--errors", action="store_true", help="classify the wrong greedy answers (first differing line)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     policy = load_policy(args.checkpoint)
@@ -54,6 +103,12 @@ def main() -> None:
         name = f"level {key}" if key != "all" else "all"
         print(f"{name:8s} n={p['n']:4d}  greedy {p['greedy'] / p['n']:.3f}  sample {p['sample'] / p['n']:.3f}  "
               f"pass@{args.k} {p['pass'] / p['n']:.3f}")
+    if args.errors:
+        kinds = collections.Counter(classify_error(row["solution"], greedy[i]) for i, row in enumerate(rows)
+                                    if not answers_match(extract_answer(greedy[i]), row["gold"]))
+        print("wrong greedy answers by first differing line: "
+              + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
+        out["errors"] = dict(kinds)
     print(json.dumps({"checkpoint": args.checkpoint, "k": args.k, **out}))
 
 
