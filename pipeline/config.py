@@ -69,11 +69,11 @@ class ModelConfig:
     """`gpt`: the from-scratch GPT of pipeline/model/gpt.py; `hf`: any transformers causal LM."""
     init: str = ""
     """Empty: random init and SFT from scratch. A checkpoint folder or HF model id/folder: start from it."""
-    n_layer: int = 3
+    n_layer: int = 4
     """Transformer blocks (gpt backend)."""
     n_head: int = 4
     """Attention heads per block (gpt backend)."""
-    n_embd: int = 96
+    n_embd: int = 128
     """Residual stream width (gpt backend)."""
     block_size: int = 512
     """Maximum context length in tokens (prompt + response)."""
@@ -187,9 +187,17 @@ class GRPOConfig:
 class WarmupConfig(GRPOConfig):
     # the curriculum's own defaults: short arithmetic answers, more prompts, a longer run
     iterations: int = 300
-    """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`); ~2 s each on 1 CPU core."""
+    """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`); ~3 s each on 1 CPU core."""
     prompts_per_iter: int = 16
     """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
+    lr: float = 1e-4
+    """Peak AdamW learning rate."""
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """After warmup: constant, or cosine decay to 10% of `lr` at the last iteration."""
+    warmup_iters: int = 10
+    """Linear LR warmup iterations."""
+    temperature: float = 0.7
+    """Sampling temperature for rollouts."""
     rollout_len: int = 72
     """Maximum new tokens per completion (a column-by-column level-4 answer needs up to ~68)."""
     eval_every: int = 50
