@@ -85,15 +85,17 @@ def main() -> None:
     gen = torch.Generator(device=policy.device).manual_seed(args.seed)
     samples, _, _ = generate(policy, prompts, batch_size=25, max_new_tokens=args.max_new_tokens,
                              group_size=args.k, greedy=False, generator=gen)
+    def ok(text: str, row: dict) -> bool:
+        return answers_match(extract_answer(text), row["gold"])
+
+    greedy_ok = [ok(t, row) for t, row in zip(greedy, rows)]
     per = collections.defaultdict(lambda: {"n": 0, "greedy": 0.0, "sample": 0.0, "pass": 0.0})
     for i, row in enumerate(rows):
-        def ok(text: str, gold=row["gold"]) -> bool:
-            return answers_match(extract_answer(text), gold)
-        hits = [ok(t) for t in samples[i * args.k:(i + 1) * args.k]]  # group-contiguous
+        hits = [ok(t, row) for t in samples[i * args.k:(i + 1) * args.k]]  # group-contiguous
         for key in (row.get("level", 0), "all"):
             p = per[key]
             p["n"] += 1
-            p["greedy"] += ok(greedy[i])
+            p["greedy"] += greedy_ok[i]
             p["sample"] += sum(hits) / args.k
             p["pass"] += any(hits)
     out = {}
@@ -104,8 +106,8 @@ def main() -> None:
         print(f"{name:8s} n={p['n']:4d}  greedy {p['greedy'] / p['n']:.3f}  sample {p['sample'] / p['n']:.3f}  "
               f"pass@{args.k} {p['pass'] / p['n']:.3f}")
     if args.errors:
-        kinds = collections.Counter(classify_error(row["solution"], greedy[i]) for i, row in enumerate(rows)
-                                    if not answers_match(extract_answer(greedy[i]), row["gold"]))
+        kinds = collections.Counter(classify_error(row["solution"], text)
+                                    for row, text, right in zip(rows, greedy, greedy_ok) if not right)
         print("wrong greedy answers by first differing line: "
               + ", ".join(f"{k} {v}" for k, v in kinds.most_common()))
         out["errors"] = dict(kinds)

@@ -73,6 +73,19 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def add_decode_workload_args(ap) -> None:
+    """The decoding workload of bench/rollout.py (a model of `--layers` x `--width`, `--prompts` prompts
+    of `--prompt-len` tokens, `--group` samples each, `--new-tokens` new tokens), shared by the
+    benchmarks that time decoding, so that their defaults are the same workload."""
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+
+
 def _best_mm_seconds(m: int, k: int, n: int, repeats: int, dtype: str, device: str) -> float:
     """Best seconds of one (m x k) @ (k x n) torch.mm of random operands (after a warm-up; CUDA synced)."""
     import torch
@@ -126,7 +139,8 @@ def matmul_ceiling(shapes: list[tuple[int, int]], rows: int, repeats: int = 5, d
     """FLOP/s of the model's own weight matmuls at `rows` rows: (rows x in) @ (in x out) for every
     (out, in) in `shapes`, best of `repeats` each, total FLOPs over total time: what this machine's
     BLAS gives these shapes, so how far an iteration is from its matmuls' own speed (on the 2-core
-    CPU the width-96 default's weights reach 86-93% of the 2048^3 peak: docs/performance.md)."""
+    CPU: 86-93% of the 2048^3 peak for the earlier 3x96 default's weights, 61-77% for the 4x128
+    default's in a run under load: docs/performance.md)."""
     flops = sum(2 * rows * in_f * out_f for out_f, in_f in shapes)
     secs = sum(_best_mm_seconds(rows, in_f, out_f, repeats, dtype, device) for out_f, in_f in shapes)
     return flops / secs

@@ -12,7 +12,7 @@ Same weights, same prompts, greedy decoding on both sides (the tokens are compar
 eager on both; alternating repeats in one process, median seconds. The last line is a JSON object.
 
     .venv/bin/python bench/compiled_decode.py [--layers 4] [--width 256] [--prompts 8] [--group 8]
-        [--prompt-len 64] [--new 64] [--repeats 5] [--cpp-wrapper]
+        [--prompt-len 64] [--new-tokens 64] [--repeats 5] [--cpp-wrapper]
 
 Measured not kept (session 5, one core): 1.20x (freezing) and 1.26x (plus the C++ wrapper) over
 the eager GPT rollout at 4x256, 64 rows; compile 15-36 s per shape. The step's attention over the
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, emit, machine_line, median, timed
+from common import add_decode_workload_args, alternate, emit, machine_line, median, timed
 
 import torch
 import torch.nn.functional as F
@@ -73,13 +73,7 @@ def static_step(model: GPT, B: int, G: int, Tp: int, M: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new", type=int, default=64)
+    add_decode_workload_args(ap)  # bench/rollout.py's workload
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpp-wrapper", action="store_true", help="Inductor's C++ wrapper (no Python per kernel call)")
@@ -94,7 +88,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=2048, n_layer=args.layers, n_head=args.heads, n_embd=args.width)).eval()
     model.requires_grad_(False)
-    B, G, Tp, M, L = args.prompts, args.group, args.prompt_len, args.new, args.layers
+    B, G, Tp, M, L = args.prompts, args.group, args.prompt_len, args.new_tokens, args.layers
     N, H, D = B * G, args.heads, model.config.head_dim
     ids = torch.randint(0, 2048, (B, Tp))
     mask = torch.ones(B, Tp, dtype=torch.long)

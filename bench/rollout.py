@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.common import add_decode_workload_args
 from pipeline.config import ModelConfig
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.hf import HFDecoder, HFTokenizer
@@ -98,13 +99,7 @@ def build(layers: int, width: int, heads: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    add_decode_workload_args(ap)
     ap.add_argument("--no-cache-new-tokens", type=int, default=8,
                     help="new tokens for the cache vs no-cache comparison (recomputing is slow)")
     ap.add_argument("--threads", type=int, default=1,
