@@ -26,6 +26,8 @@ def test_params_yaml_lists_every_field():
     assert set(raw) == set(Config().to_dict())
     for section, values in Config().to_dict().items():
         assert set(raw[section]) == set(values), f"params.yaml section {section} differs from pipeline/config.py"
+    # ...and holds the same values: the dataclass defaults are the defaults of `--params` files that omit a key
+    assert load_config(ROOT / "params.yaml").to_dict() == Config().to_dict()
 
 
 def test_dump_round_trips():
