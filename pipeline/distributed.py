@@ -60,6 +60,12 @@ def mean_across_ranks(metrics: dict[str, float]) -> dict[str, Any]:
     return {k: t[i].item() for i, k in enumerate(keys)}
 
 
+def sum_across_ranks(values: list[float]) -> list[float]:
+    """Element-wise sums over ranks of a few scalars (counts, or totals for an exact global mean)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return [v.item() for v in _all_reduce_sum(t)]
+
+
 def max_across_ranks(value: int) -> int:
     """The largest `value` over ranks (every rank gets it)."""
     if not dist.is_initialized():

@@ -269,11 +269,18 @@ def test_dynamic_sampling_drops_zero_variance_groups(workdir, monkeypatch):
     rows = _csv_rows(workdir / "plots" / "warmup.csv")
     assert sum(int(r["dropped_groups"]) for r in rows) > 0
     informative_dynamic = sum(float(r["informative"]) for r in rows) / len(rows)
+    for r in rows:  # the *_sampled columns count every group rolled out, the dropped (zero-variance) ones too
+        kept, dropped = 4, int(r["dropped_groups"])
+        assert float(r["informative_sampled"]) == pytest.approx(float(r["informative"]) * kept / (kept + dropped))
+        assert 0.0 <= float(r["reward_sampled"]) <= 1.0
 
     # without it, the same rewards leave the odd-gold groups (about half) in the batch
     train.run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, dynamic_sampling=False)))
     rows = _csv_rows(workdir / "plots" / "warmup.csv")
     assert all(r["dropped_groups"] == "0" for r in rows)
+    for r in rows:  # nothing dropped: the sampled batch is the trained batch
+        assert float(r["reward_sampled"]) == pytest.approx(float(r["reward"]))
+        assert float(r["informative_sampled"]) == pytest.approx(float(r["informative"]))
     informative_static = sum(float(r["informative"]) for r in rows) / len(rows)
     assert informative_dynamic >= 0.75 and informative_dynamic > informative_static
 

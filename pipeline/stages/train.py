@@ -50,8 +50,8 @@ STAGE_IO = {  # stage -> (init checkpoint, train file, held-out file)
 }
 REFERENCE = "sft"
 CSV_COLUMNS = ["iteration", "reward", "reward_std", "informative", "kl", "clipfrac", "loss", "grad_norm",
-               "response_len", "truncated", "entropy", "lr", "dropped_groups", "skipped_steps", "tokens_per_s",
-               "accuracy"]
+               "response_len", "truncated", "entropy", "lr", "dropped_groups", "reward_sampled",
+               "informative_sampled", "skipped_steps", "tokens_per_s", "accuracy"]
 
 
 def run_warmup(cfg: Config) -> dict[str, Any]:
@@ -247,14 +247,18 @@ class GRPOTrainer:
         G = self.g.group_size
         return torch.tensor([reward_for(rows[i // G]["source"])(t, rows[i // G]["gold"]) for i, t in enumerate(texts)])
 
-    def _sample_groups(self) -> tuple[list[dict[str, Any]], Rollout, torch.Tensor, int, dict[str, float]]:
+    def _sample_groups(self) -> tuple[list[dict[str, Any]], Rollout, torch.Tensor, int, dict[str, float],
+                                      torch.Tensor]:
         """Roll out prompts_per_iter groups (this rank's shard) and score them; with dynamic sampling,
-        replace zero-variance groups with fresh prompts for up to max_sampling_rounds rounds."""
+        replace zero-variance groups with fresh prompts for up to max_sampling_rounds rounds.
+        Returns the kept rows, their rollout and rewards, the number of groups dropped, the phase
+        times, and the (groups, G) rewards of every group sampled, the dropped ones included."""
         g, G = self.g, self.g.group_size
         per_rank = g.prompts_per_iter // self.world
         kept_rows: list[dict[str, Any]] = []
         kept: list[tuple[Rollout, list[int]]] = []
         kept_rewards: list[torch.Tensor] = []
+        sampled: list[torch.Tensor] = []
         dropped, rounds, times = 0, 0, {"rollout": 0.0, "scoring": 0.0}
         while rounds < g.max_sampling_rounds:
             need = per_rank - len(kept_rows)
@@ -274,6 +278,7 @@ class GRPOTrainer:
             rewards = self._score(rows, ro.texts).view(-1, G)          # (prompts, G)
             times["rollout"] += t1 - t0
             times["scoring"] += time.perf_counter() - t1
+            sampled.append(rewards)
             informative = rewards.std(dim=1) > 1e-6
             for j, row in enumerate(rows):
                 # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)
@@ -286,7 +291,8 @@ class GRPOTrainer:
             if not g.dynamic_sampling:
                 break
         rollout = ts.select_rollouts(kept[:per_rank], self.policy.tokenizer.pad_id)
-        return kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), dropped, times
+        all_rewards = torch.cat(sampled) if sampled else torch.zeros(0, G)
+        return kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), dropped, times, all_rewards
 
     def _sync(self) -> None:
         """Wait for queued CUDA work, so that the phase timings are the phases' own (no-op on CPU)."""
@@ -296,7 +302,7 @@ class GRPOTrainer:
     def iteration(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         g, G = self.g, self.g.group_size
         t_start = time.perf_counter()
-        rows, ro, rewards, dropped, times = self._sample_groups()
+        rows, ro, rewards, dropped, times, sampled = self._sample_groups()
         adv = group_advantages(rewards, G, norm=g.adv_norm)
         ids, attn, resp = ro.input_ids, ro.attention_mask, ro.response_mask
         start = ro.prompt_len  # responses start here: no vocabulary projection over the prompts
@@ -329,8 +335,14 @@ class GRPOTrainer:
             "entropy": entropy, **stats,
         }
         metrics = dist_utils.mean_across_ranks(local)
+        # every group rolled out this iteration, the dropped ones included: the policy's own reward and
+        # informative fraction (with dynamic sampling, `reward`/`informative` describe the kept batch only)
+        r_sum, r_n, inf_n, groups, dropped = dist_utils.sum_across_ranks([
+            sampled.sum().item(), sampled.numel(), (sampled.std(dim=1) > 1e-6).sum().item() if len(sampled) else 0,
+            sampled.shape[0], dropped])
         metrics.update({
-            "lr": lr, "dropped_groups": dropped, "skipped_steps": self.skipped,
+            "reward_sampled": r_sum / max(r_n, 1.0), "informative_sampled": inf_n / max(groups, 1.0),
+            "lr": lr, "dropped_groups": int(dropped), "skipped_steps": self.skipped,
             "tokens_per_s": n_tok * self.world / max(t_end - t_start, 1e-9),
             "time_rollout": times["rollout"], "time_scoring": times["scoring"], "time_logprobs": t_upd - t_lp,
             "time_update": t_end - t_upd,
