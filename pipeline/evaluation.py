@@ -220,8 +220,24 @@ def plot_accuracy(metrics: Mapping[str, Mapping[str, float]], path: str | Path,
     return write_figure_atomic(path, fig)
 
 
-CURVE_COLUMNS = (("reward", "mean reward"), ("informative", "informative fraction"),
-                 ("kl", "KL to reference"), ("accuracy", "held-out accuracy"))
+# (CSV columns in order of preference, title): the *_sampled columns count every group rolled out,
+# including those dynamic sampling dropped, so they are the policy's own figures; older CSVs lack them
+CURVE_COLUMNS = ((("reward_sampled", "reward"), "mean reward (all rollouts)"),
+                 (("informative_sampled", "informative"), "informative fraction (all groups)"),
+                 (("kl",), "KL to reference"), (("accuracy",), "held-out accuracy"))
+
+
+def curve_series(df, cols: tuple[str, ...]):
+    """The first of `cols` that `df` has with at least one numeric cell: (name, values without the
+    empty cells), or None."""
+    import pandas as pd
+
+    for col in cols:
+        if col in df.columns:
+            y = pd.to_numeric(df[col], errors="coerce")
+            if y.notna().any():
+                return col, y[y.notna()]
+    return None
 
 
 def plot_training_curves(csv_paths: Mapping[str, str | Path], path: str | Path) -> Path:
@@ -244,13 +260,12 @@ def plot_training_curves(csv_paths: Mapping[str, str | Path], path: str | Path) 
         if "iteration" not in df.columns or df.empty:
             continue
         x = df["iteration"] + offset
-        for ax, (col, title) in zip(axes.flat, CURVE_COLUMNS):
-            if col in df.columns:
-                y = pd.to_numeric(df[col], errors="coerce")
-                keep = y.notna()
-                if keep.any():
-                    ax.plot(x[keep], y[keep], marker="." if keep.sum() < 30 else None, label=stage)
-                    plotted = True
+        for ax, (cols, _) in zip(axes.flat, CURVE_COLUMNS):
+            found = curve_series(df, cols)
+            if found is not None:
+                y = found[1]
+                ax.plot(x[y.index], y, marker="." if len(y) < 30 else None, label=stage)
+                plotted = True
         offset = int(x.max()) + 1
     for ax, (_, title) in zip(axes.flat, CURVE_COLUMNS):
         ax.set_title(title)

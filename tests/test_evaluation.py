@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -209,6 +210,18 @@ def test_training_curves_skip_missing_files_and_empty_cells(tmp_path):
     assert out.read_bytes().startswith(b"\x89PNG")
     empty = ev.plot_training_curves({"warmup": tmp_path / "nope.csv"}, tmp_path / "empty.png")
     assert empty.is_file()
+
+
+def test_training_curves_prefer_the_columns_of_every_sampled_group():
+    df = pd.read_csv(io.StringIO("iteration,reward,reward_sampled,informative,informative_sampled,accuracy\n"
+                                 "1,0.8,0.9,1.0,0.5,\n2,0.7,,0.9,0.4,0.6\n"))
+    name, y = ev.curve_series(df, ev.CURVE_COLUMNS[0][0])
+    assert name == "reward_sampled" and y.tolist() == [0.9] and y.index.tolist() == [0]
+    assert ev.curve_series(df, ev.CURVE_COLUMNS[1][0])[1].tolist() == [0.5, 0.4]
+    old = df.drop(columns=["reward_sampled"])  # a CSV from before the column existed
+    assert ev.curve_series(old, ev.CURVE_COLUMNS[0][0])[0] == "reward"
+    assert ev.curve_series(df, ("kl",)) is None
+    assert ev.curve_series(df, ("accuracy",))[1].index.tolist() == [1]
 
 
 def test_summary_table_renders_every_stage_and_metric():
