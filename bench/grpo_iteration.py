@@ -4,6 +4,8 @@ In a temp working dir: the prepare stage on the local GSM8K copy, then ONE rando
 policy saved as checkpoints/sft and checkpoints/warmup (random weights: fine for timing, and they
 almost never emit a stop token, so rollouts run to the full ``rollout_len``). Then
 ``GRPOTrainer(cfg, "grpo").setup()``, one warm-up ``iteration()``, and ``--iters`` timed ones.
+Dynamic sampling is turned off for the timed stage (``--stage warmup`` has it on by default): with
+random weights every group would be dropped and rolled out again.
 
 FLOPs (N = weights that enter a matmul per token, the tied LM head included, embeddings not;
 L layers, C width; T the padded width of the rows actually computed, padding included; the LM
@@ -119,7 +121,11 @@ def main() -> None:
     from pipeline.model.policy import resolve_device
 
     gsm8k = args.gsm8k or default_gsm8k()
-    cfg = load_config(args.params, [f"data.gsm8k_source={gsm8k}", "tracking.enabled=false", *args.overrides])
+    # A random-init policy earns reward 0 on every row, so with dynamic sampling every group would be
+    # dropped and re-rolled until the last round: the bench would time top-up rounds that a trained
+    # policy mostly skips, and count the FLOPs of the kept rollout only. It times the plain iteration.
+    cfg = load_config(args.params, [f"data.gsm8k_source={gsm8k}", "tracking.enabled=false", *args.overrides,
+                                    f"{args.stage}.dynamic_sampling=false"])
     device = resolve_device(cfg.model.device)
     cuda = device.type == "cuda"
     # the practical matmul peak of the device the iteration runs on: fp32 2048^3 on CPU, bf16 8192^3 on CUDA
