@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.config import Config, TrackingConfig
 from pipeline.tracking import (NullLogger, TrackingUnavailableError, compare_runs, end_pipeline_run,
@@ -93,6 +94,9 @@ def test_stages_share_one_parent_and_evaluate_closes_it(store):
     for r in stages:
         assert r.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert r.info.status == "FINISHED" and "git.commit" in r.data.tags
+        # what the floats depend on beyond code and params: torch build and the CPU's kernel set
+        assert r.data.tags["env.torch"] == torch.__version__
+        assert r.data.tags["env.cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
         assert r.data.params["sft.steps"] == str(cfg.sft.steps)
     grpo = stages[2]
     hist = client(store).get_metric_history(grpo.info.run_id, "train/reward")
