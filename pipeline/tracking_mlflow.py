@@ -277,18 +277,20 @@ class MlflowLogger:
 
     def __init__(self, client, run_id: str, uri: str):
         self.client, self.run_id, self.uri = client, run_id, uri
-        self._broken = False
+        self._broken: set[str] = set()
 
     def _guard(self, what: str, fn, *args, **kwargs) -> None:
-        if self._broken:
+        """Call `fn`; if it fails, warn once and skip calls of the same kind for the rest of the stage.
+        Training never stops for tracking, and a failing artifact call does not stop the metrics."""
+        if what in self._broken:
             return
         try:
             fn(*args, **kwargs)
-        except Exception as exc:  # never lose training for a metric: warn once, stop logging
-            self._broken = True
+        except Exception as exc:
+            self._broken.add(what)
             msg = " ".join(str(exc).split())[:200]
             print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
-                  f"tracking disabled for the rest of this stage", file=sys.stderr)
+                  f"{what} disabled for the rest of this stage", file=sys.stderr)
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._guard("log_params", _log_params, self.client, self.run_id, params)
@@ -314,6 +316,9 @@ class MlflowLogger:
             self._guard("log_artifact", self.client.log_artifact, self.run_id, str(path))
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        """Rows to a JSON table artifact; a second call with the same name appends to it. Log many
+        small tables under one name: MLflow lists every table name in a run tag that holds 8,000
+        characters, so about 145 distinct names break log_table for the run (mlflow#11874, #13170)."""
         import pandas as pd
 
         artifact = name if name.endswith(".json") else f"{name}.json"

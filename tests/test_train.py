@@ -285,6 +285,27 @@ def test_dynamic_sampling_drops_zero_variance_groups(workdir, monkeypatch):
     assert informative_dynamic >= 0.75 and informative_dynamic > informative_static
 
 
+def test_samples_go_to_one_mlflow_table_per_stage(workdir):
+    """Per-iteration sample completions append to samples/<stage>.json (an `iteration` column), not
+    one table per iteration: MLflow's table-name tag holds about 145 names, after which every
+    log_table call of the run failed (seen at iteration 145 of the default warmup)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.stages.train import run_warmup
+
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    run_warmup(smoke_cfg("warmup.iterations=3", "warmup.eval_every=0", "tracking.enabled=true",
+                         f"tracking.uri={uri}", "tracking.experiment=samples"))
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("samples")
+    (run,) = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("grpo.stage") == "warmup"]
+    assert [f.path for f in client.list_artifacts(run.info.run_id, "samples")] == ["samples/warmup.json"]
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples/warmup.json", str(workdir))).read_text())
+    iterations = [row[table["columns"].index("iteration")] for row in table["data"]]
+    assert iterations == sorted(iterations) and set(iterations) == {1, 2, 3}
+    assert "reward_sampled" in {m.split("/")[-1] for m in run.data.metrics}
+
+
 def test_adaptive_curriculum_leaves_early_and_logs_why(workdir):
     from pipeline.stages.train import run_warmup
 

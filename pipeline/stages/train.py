@@ -229,8 +229,8 @@ class GRPOTrainer:
                 self.series.append(row)
                 if is_main and (self.it % self.g.log_every == 0 or self.it == self.total_iters):
                     log.log_metrics({f"train/{k}": v for k, v in metrics.items() if v is not None}, step=self.it)
-                    if samples:
-                        log.log_table(samples, f"samples/{self.stage}_{self.it:05d}.json")
+                    if samples:  # one table per stage, appended to (MLflow caps the number of table names)
+                        log.log_table([{"iteration": self.it, **s} for s in samples], f"samples/{self.stage}.json")
                 info = (f"reward {metrics['reward']:.3f}  inf {metrics['informative']:.2f}  kl {metrics['kl']:.4f}"
                         + (f"  acc {metrics['accuracy']:.3f}" if metrics.get("accuracy") is not None else ""))
                 bar.update(task, completed=self.it, total=self.total_iters, info=info)
