@@ -16,8 +16,9 @@ How a stage finds its parent (every stage may be a separate process, e.g. under 
 
 Failure policy: the tracking backend is probed when a stage starts, *before* any training; an
 unreachable server raises :class:`TrackingUnavailableError` (an ``InputError``: one line, exit 2)
-naming the URI and how to turn tracking off. A failure while logging later only warns once and
-stops logging for that stage: training is never lost for the sake of a metric.
+naming the URI and how to turn tracking off. A failure while logging later warns once and turns
+off calls of the same kind (metrics, tables, artifacts, tags) for that stage: training is never
+lost for the sake of a metric, and a broken artifact store does not take the metrics with it.
 """
 
 from __future__ import annotations
