@@ -47,18 +47,11 @@ def machine_line(threads: int) -> str:
 
     import torch
 
+    from pipeline.tracking_mlflow import cpu_model
+
     return (f"{cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"load {load_avg()}; torch {torch.__version__}, {threads} thread(s), "
             f"kernels {torch.backends.cpu.get_cpu_capability()}")
-
-
-def cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -192,6 +192,15 @@ def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
         client.log_batch(run_id, params=new[i:i + 100])
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def runtime_tags() -> dict[str, str]:
     """What a run's floating-point results depend on beyond code, params and data.
 
@@ -209,10 +218,8 @@ def runtime_tags() -> dict[str, str]:
 
     tags = {"env.torch": torch.__version__, "env.python": platform.python_version(),
             "env.cpu_kernels": torch.backends.cpu.get_cpu_capability(), "env.machine": platform.machine()}
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-        if model:
-            tags["env.cpu"] = model
+    if model := cpu_model():
+        tags["env.cpu"] = model
     if torch.cuda.is_available():
         tags["env.cuda_device"] = torch.cuda.get_device_name(0)
         tags["env.cuda"] = str(torch.version.cuda)
