@@ -220,9 +220,10 @@ def runtime_tags() -> dict[str, str]:
             "env.cpu_kernels": torch.backends.cpu.get_cpu_capability(), "env.machine": platform.machine()}
     if model := cpu_model():
         tags["env.cpu"] = model
-    if torch.cuda.is_available():
-        tags["env.cuda_device"] = torch.cuda.get_device_name(0)
+    if torch.version.cuda:
         tags["env.cuda"] = str(torch.version.cuda)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # never the first CUDA call (fork safety)
+        tags["env.cuda_device"] = torch.cuda.get_device_name(torch.cuda.current_device())
     for var in ("ATEN_CPU_CAPABILITY", "MKL_CBWR"):
         if os.environ.get(var):
             tags[f"env.{var}"] = os.environ[var]
