@@ -231,7 +231,12 @@ class GRPOTrainer:
                     log.log_metrics({f"train/{k}": v for k, v in metrics.items() if v is not None}, step=self.it)
                     if samples:  # one table per stage, appended to (MLflow caps the number of table names)
                         log.log_table([{"iteration": self.it, **s} for s in samples], f"samples/{self.stage}.json")
-                info = (f"reward {metrics['reward']:.3f}  inf {metrics['informative']:.2f}  kl {metrics['kl']:.4f}"
+                # the policy's reward and informative fraction over every group rolled out; with dynamic
+                # sampling also the kept batch's (filtered towards informative groups)
+                kept = (f" (kept {metrics['reward']:.3f} / {metrics['informative']:.2f})"
+                        if self.g.dynamic_sampling else "")
+                info = (f"reward {metrics['reward_sampled']:.3f}  inf {metrics['informative_sampled']:.2f}{kept}"
+                        f"  kl {metrics['kl']:.4f}"
                         + (f"  acc {metrics['accuracy']:.3f}" if metrics.get("accuracy") is not None else ""))
                 bar.update(task, completed=self.it, total=self.total_iters, info=info)
                 if plain and (self.it % self.g.log_every == 0 or self.it == self.total_iters):
