@@ -64,7 +64,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tables_under_one_name_append_and_a_failing_call_stops_only_its_kind(store, capsys, tmp_path):
+def test_tables_under_one_name_append_and_a_failing_call_stops_only_its_kind(store, capsys, tmp_path,
+                                                                             monkeypatch):
     """MLflow lists every table name in a run tag capped at 8,000 characters (about 145 names), so the
     trainer logs its samples under one name per stage; and a failing table call must not stop metrics."""
     cfg = make_cfg(store, "tables")
@@ -73,7 +74,7 @@ def test_tables_under_one_name_append_and_a_failing_call_stops_only_its_kind(sto
             log.log_table([{"iteration": it, "completion": "x" * it}], "samples/warmup.json")
         def broken(*args, **kwargs):
             raise RuntimeError("artifact store down")
-        log.client = _Patched(log.client, log_table=broken)
+        monkeypatch.setattr(log.client, "log_table", broken)
         for it in (1, 2, 3):
             log.log_metrics({"train/reward": 0.5 * it}, step=it)
             log.log_table([{"iteration": it}], "samples/other.json")
@@ -85,16 +86,6 @@ def test_tables_under_one_name_append_and_a_failing_call_stops_only_its_kind(sto
     table = json.loads(Path(c.download_artifacts(run.info.run_id, "samples/warmup.json", str(tmp_path))).read_text())
     assert [row[table["columns"].index("iteration")] for row in table["data"]] == [1, 2, 3]
     assert json.loads(run.data.tags["mlflow.loggedArtifacts"]) == [{"path": "samples/warmup.json", "type": "table"}]
-
-
-class _Patched:
-    """A client whose named methods are replaced; everything else goes to the real one."""
-
-    def __init__(self, real, **methods):
-        self._real, self._methods = real, methods
-
-    def __getattr__(self, name):
-        return self._methods.get(name) or getattr(self._real, name)
 
 
 def test_disabled_tracking_yields_null_logger():

@@ -296,8 +296,7 @@ class GRPOTrainer:
             if not g.dynamic_sampling:
                 break
         rollout = ts.select_rollouts(kept[:per_rank], self.policy.tokenizer.pad_id)
-        all_rewards = torch.cat(sampled) if sampled else torch.zeros(0, G)
-        return kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), dropped, times, all_rewards
+        return kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), dropped, times, torch.cat(sampled)
 
     def _sync(self) -> None:
         """Wait for queued CUDA work, so that the phase timings are the phases' own (no-op on CPU)."""
@@ -342,9 +341,9 @@ class GRPOTrainer:
         metrics = dist_utils.mean_across_ranks(local)
         # every group rolled out this iteration, the dropped ones included: the policy's own reward and
         # informative fraction (with dynamic sampling, `reward`/`informative` describe the kept batch only)
+        groups = sampled.shape[0]
         r_sum, r_n, inf_n, groups, dropped = dist_utils.sum_across_ranks([
-            sampled.sum().item(), sampled.numel(), (sampled.std(dim=1) > 1e-6).sum().item() if len(sampled) else 0,
-            sampled.shape[0], dropped])
+            sampled.sum().item(), sampled.numel(), informative_fraction(sampled.view(-1), G) * groups, groups, dropped])
         metrics.update({
             "reward_sampled": r_sum / max(r_n, 1.0), "informative_sampled": inf_n / max(groups, 1.0),
             "lr": lr, "dropped_groups": int(dropped), "skipped_steps": self.skipped,
