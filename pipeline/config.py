@@ -93,8 +93,9 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 2000
-    """Optimizer steps of supervised fine-tuning."""
+    steps: int = 1850
+    """Optimizer steps of supervised fine-tuning (a warm start: 2000 gives a stronger SFT and a smaller
+    GRPO gain, docs/tuning.md session 7)."""
     batch_size: int = 16
     """Sequences per step."""
     lr: float = 3e-3
