@@ -206,7 +206,7 @@ def runtime_tags() -> dict[str, str]:
 
     Runs are bit-identical on one machine, not across machines: torch picks its vector kernels
     (``env.cpu_kernels``: AVX2, AVX512, ...) and MKL its GEMM code path from the CPU, which changes
-    the order of floating-point sums. Measured (docs/tuning.md, session 6): the default SFT landed
+    the order of floating-point sums. Measured (docs/tuning.md, session 6): the 2000-step SFT landed
     at 70.5% held-out greedy on one 2-core machine and 81.0% on another, same code, params and
     wheel; on one machine, ``ATEN_CPU_CAPABILITY=avx2`` instead of the AVX512 default changed its
     logged loss from step 200 on (1.8929 against 1.8927) and its end point. ``ATEN_CPU_CAPABILITY``
@@ -331,7 +331,17 @@ class MlflowLogger:
         import pandas as pd
 
         artifact = name if name.endswith(".json") else f"{name}.json"
-        self._guard("log_table", self.client.log_table, self.run_id, pd.DataFrame(rows), artifact)
+        # Appending downloads the table first, and MLflow draws a progress bar for that download on
+        # stderr: one per logged iteration in the stage's output. Off unless the user asked for it.
+        bar = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+        user_set = bar in os.environ
+        if not user_set:
+            os.environ[bar] = "false"
+        try:
+            self._guard("log_table", self.client.log_table, self.run_id, pd.DataFrame(rows), artifact)
+        finally:
+            if not user_set:
+                os.environ.pop(bar, None)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag

@@ -78,8 +78,11 @@ def test_tables_under_one_name_append_and_a_failing_call_stops_only_its_kind(sto
         for it in (1, 2, 3):
             log.log_metrics({"train/reward": 0.5 * it}, step=it)
             log.log_table([{"iteration": it}], "samples/other.json")
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: MLflow")]
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: MLflow")]
     assert len(warnings) == 1 and "log_table" in warnings[0] and "artifact store down" in warnings[0]
+    assert "Downloading artifacts" not in err  # appending downloads the table: no progress bar per call
+    assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
     (run,) = [r for r in runs(store, "tables") if r.data.tags.get("grpo.role") == "stage"]
     c = client(store)
     assert [m.step for m in c.get_metric_history(run.info.run_id, "train/reward")] == [1, 2, 3]
