@@ -188,7 +188,7 @@ class GRPOConfig:
 class WarmupConfig(GRPOConfig):
     # the curriculum's own defaults: short arithmetic answers, more prompts, a longer run
     iterations: int = 200
-    """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`); ~3.5 s each on 1 CPU core."""
+    """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`); 2.4-3.6 s each on 1 CPU core."""
     prompts_per_iter: int = 16
     """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
     lr: float = 1e-4
