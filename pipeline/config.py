@@ -93,7 +93,7 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 1800
+    steps: int = 1850
     """Optimizer steps of supervised fine-tuning (a warm start: 2000 gives a stronger SFT and a smaller
     GRPO gain, docs/tuning.md session 7)."""
     batch_size: int = 16
