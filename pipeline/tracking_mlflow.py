@@ -334,14 +334,8 @@ class MlflowLogger:
         # Appending downloads the table first, and MLflow draws a progress bar for that download on
         # stderr: one per logged iteration in the stage's output. Off unless the user asked for it.
         bar = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-        user_set = bar in os.environ
-        if not user_set:
-            os.environ[bar] = "false"
-        try:
+        with temporary_env({bar: os.environ.get(bar) or "false"}):
             self._guard("log_table", self.client.log_table, self.run_id, pd.DataFrame(rows), artifact)
-        finally:
-            if not user_set:
-                os.environ.pop(bar, None)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag

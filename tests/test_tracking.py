@@ -68,6 +68,7 @@ def test_tables_under_one_name_append_and_a_failing_call_stops_only_its_kind(sto
                                                                              monkeypatch):
     """MLflow lists every table name in a run tag capped at 8,000 characters (about 145 names), so the
     trainer logs its samples under one name per stage; and a failing table call must not stop metrics."""
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
     cfg = make_cfg(store, "tables")
     with stage_logger(cfg, "warmup") as log:
         for it in (1, 2, 3):
