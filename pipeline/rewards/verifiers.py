@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from pipeline.rewards.parsing import ANSWER_CLOSE, ANSWER_OPEN, answer_block, extract_answer, is_single_number
+from pipeline.rewards.parsing import ANSWER_CLOSE, ANSWER_OPEN, answer_block, extract_answer, is_single_number, parse_gold
 
 CORRECT_BONUS = 1.0
 FORMAT_BONUS = 0.2
@@ -17,7 +17,9 @@ REWARD_CLIP = 1.2
 ABS_TOL = 1e-4
 
 
-def answers_match(pred: float | None, gold: float | None) -> bool:
+def answers_match(pred: float | None, gold: float | str | None) -> bool:
+    """Within ABS_TOL; a string gold is read by the answer grammar, non-finite or unreadable is no match."""
+    pred, gold = parse_gold(pred), parse_gold(gold)
     return pred is not None and gold is not None and math.isclose(pred, gold, rel_tol=0.0, abs_tol=ABS_TOL)
 
 
