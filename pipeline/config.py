@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -373,6 +374,27 @@ def validate(cfg: Config, source: str = "params") -> Config:
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
+INT_LIMIT = 2**63  # integers (seeds, sizes) must fit a signed 64-bit value: numpy and torch seeds do
+
+
+def _number(value: Any, tp: type, key: str, source: str) -> Any:
+    """A finite number for an int or float field; `.inf`, `.nan` and ints beyond int64 are refused."""
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" as a string; accept it as the number it means
+            value = float(value)
+        except ValueError:
+            return value
+    if tp is float and isinstance(value, int):
+        if abs(value) >= 2**1023:
+            raise ConfigError(f"{source}: {key} = {value!r} is out of range; expected a finite number")
+        value = float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {key} = {value!r} is not allowed; expected a finite number")
+    if isinstance(value, int) and not -INT_LIMIT <= value < INT_LIMIT:
+        raise ConfigError(f"{source}: {key} = {value} is out of range; expected an integer in [-2**63, 2**63)")
+    return value
+
+
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)
@@ -394,13 +416,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if value is None:
             return None
         return _coerce(value, args[0], key, source)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "1e-3" as a string; accept it as the number it means
-            return float(value)
-        except ValueError:
-            pass
+    if tp in (int, float) and not isinstance(value, bool):
+        value = _number(value, tp, key, source)
     if isinstance(value, bool) and tp is not bool:
         raise ConfigError(f"{source}: {key} = {value!r} has the wrong type; expected {_TYPE_NAMES[tp]}")
     if not isinstance(value, tp):
@@ -454,17 +471,68 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+MAX_PARAMS_BYTES = 1 << 20  # a params file is a few kB; anything this large is not one
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        try:
+            first = seen.get(key)
+            seen[key] = line
+        except TypeError:  # an unhashable key: let the default constructor report it
+            continue
+        if first is not None:
+            raise ConfigError(f"{loader.name}:{line}: duplicate key {key!r} (first given on line {first}); "
+                              "each section and key may appear once")
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _params_text(path: Path) -> str:
+    """The params file as text: refused if too large, not UTF-8 text, or holding NUL bytes."""
+    size = path.stat().st_size
+    if size > MAX_PARAMS_BYTES:
+        raise ConfigError(f"{path}: {size} bytes is too large for a params file (at most {MAX_PARAMS_BYTES})")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not a UTF-8 text file (byte {exc.start}); a params file is YAML text") from None
+    if "\0" in text:
+        line = text[:text.index("\0")].count("\n") + 1
+        raise ConfigError(f"{path}:{line}: holds a NUL byte; a params file is YAML text, not binary")
+    return text
+
+
 def read_params(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found (pass --params FILE or run where params.yaml is)")
+    loader = _UniqueKeyLoader(_params_text(path))
+    loader.name = str(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    return raw if raw is not None else {}
+        problem = str(getattr(exc, "problem", None) or exc).replace("\n", " ")
+        raise ConfigError(f"{path}{where}: not valid YAML ({problem})") from None
+    finally:
+        loader.dispose()
+    if raw is None or raw == {}:
+        raise ConfigError(f"{path}: the params file is empty; it must hold the stage sections "
+                          "(see params.yaml), an empty file would silently run every default")
+    return raw
 
 
 def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
