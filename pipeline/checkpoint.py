@@ -178,7 +178,8 @@ def _load_gpt_weights(module: GPT, path: Path, device) -> None:
     from safetensors.torch import load_file
 
     try:
-        state = load_file(path, device=str(device))
+        # read on the host; load_state_dict copies into the module's parameters on any device
+        state = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
     try:

@@ -1,4 +1,10 @@
-"""torchrun/DDP helpers. Without torchrun every function is the single-process identity."""
+"""torchrun/DDP helpers. Without torchrun every function is the single-process identity.
+
+Collectives take their tensors on the process group's device: NCCL has no CPU backend ("No
+backend type associated with device type cpu"), so under NCCL the small metric tensors are made on
+this rank's GPU. The trainer binds the device it trains on with :func:`use_device`; unbound, it is
+``cuda:LOCAL_RANK`` under NCCL and the CPU under gloo.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,29 @@ def _ensure_init() -> None:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)
+
+
+_device: torch.device | None = None
+
+
+def use_device(device: torch.device | str | None) -> None:
+    """Make collectives take their tensors on `device` (the policy's; None: the group's default)."""
+    global _device
+    _device = torch.device(device) if device is not None else None
+
+
+def collective_device() -> torch.device:
+    """Where the tensors handed to a collective live (see the module docstring)."""
+    if _device is not None:
+        return _device
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _scalars(values: list[float]) -> torch.Tensor:
+    """(len(values),) float64 on the collective device."""
+    return torch.tensor([float(v) for v in values], dtype=torch.float64, device=collective_device())
 
 
 def rank() -> int:
@@ -54,23 +83,22 @@ def mean_across_ranks(metrics: dict[str, float]) -> dict[str, Any]:
     if not dist.is_initialized():
         return dict(metrics)
     keys = sorted(metrics)
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    t = _scalars([metrics[k] for k in keys])
     _all_reduce_sum(t)
     t /= dist.get_world_size()
-    return {k: t[i].item() for i, k in enumerate(keys)}
+    return dict(zip(keys, t.cpu().tolist()))
 
 
 def sum_across_ranks(values: list[float]) -> list[float]:
     """Element-wise sums over ranks of a few scalars (counts, or totals for an exact global mean)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    return [v.item() for v in _all_reduce_sum(t)]
+    return _all_reduce_sum(_scalars(values)).cpu().tolist()
 
 
 def max_across_ranks(value: int) -> int:
     """The largest `value` over ranks (every rank gets it)."""
     if not dist.is_initialized():
         return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    t = _scalars([value])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -79,7 +107,7 @@ def all_true(flag: bool) -> bool:
     """True on every rank iff true on all ranks (so all ranks skip a non-finite step together)."""
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([0.0 if flag else 1.0])
+    t = _scalars([0.0 if flag else 1.0])
     return _all_reduce_sum(t).item() == 0.0
 
 
@@ -97,5 +125,5 @@ def loss_weight(mask: torch.Tensor, loss_agg: str) -> float:
         local = float((mask.sum(1) > 0).sum().item())
     else:
         local = float(mask.shape[0])
-    total = _all_reduce_sum(torch.tensor([local], dtype=torch.float64)).item()
+    total = _all_reduce_sum(_scalars([local])).item()
     return dist.get_world_size() * local / max(total, 1.0)

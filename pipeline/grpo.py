@@ -103,9 +103,10 @@ def grpo_loss(
     max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO loss over (N, T) per-token log-probs; returns (loss, stats). `ref_logp` may be None iff kl_coef == 0."""
-    mask = resp_mask.to(new_logp.dtype)
+    # rewards are scored on the host: advantages (and the mask) join the log-probs' device here
+    mask = resp_mask.to(device=new_logp.device, dtype=new_logp.dtype)
     eps_low, eps_high = clip, (clip_high or clip)
-    adv = advantages.to(new_logp.dtype)[:, None]                 # (N, 1): one advantage per sequence
+    adv = advantages.to(device=new_logp.device, dtype=new_logp.dtype)[:, None]  # (N, 1): one per sequence
 
     # --- importance ratio -------------------------------------------------------------------
     log_ratio = new_logp - old_logp                              # (N, T)

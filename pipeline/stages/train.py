@@ -194,7 +194,8 @@ class GRPOTrainer:
         if not hasattr(self, "train_rows"):
             self._read_rows()
         torch.manual_seed(self.g.seed)
-        self.policy = load_policy(self.init_dir)
+        self.policy = load_policy(self.init_dir, device=self.cfg.model.device)
+        dist_utils.use_device(self.policy.device)  # NCCL collectives need tensors on the GPU
         self.train_rows = self._fitting(self.train_rows, self.train_path)
         self.eval_rows = self._fitting(self.eval_rows, self.eval_path)
         self.policy.eval()  # GRPO runs the policy without dropout; eval() does not stop gradients
@@ -202,7 +203,8 @@ class GRPOTrainer:
         if self.world > 1:
             self.policy.runner = dist_utils.wrap_ddp(self.policy.module)
         self.optimizer = build_optimizer(self.policy.module, self.g.lr, self.g.weight_decay)
-        self.gen = torch.Generator(device="cpu").manual_seed(self.g.seed * 1000 + self.rank)
+        # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
+        self.gen = torch.Generator(device=self.policy.device).manual_seed(self.g.seed * 1000 + self.rank)
         self.sampler = ts.PromptSampler(len(self.train_rows), self.g.seed)
         self.series: list[dict[str, Any]] = []
         self.it, self.nonfinite_run, self.skipped = 0, 0, 0
