@@ -190,6 +190,26 @@ def copy_repo(dst: Path, gsm8k: str | Path, git: bool = True) -> Path:
     return dst
 
 
+class GRPOIterations:
+    """One GRPO stage's set-up and single iterations, outside its loop (no logging, no saving):
+    what the benchmarks time. `iteration()` runs `pipeline.stages.grpo.grpo_iteration` once."""
+
+    def __init__(self, cfg, stage: str) -> None:
+        from pipeline.stages import grpo
+
+        self.run = grpo.setup(cfg, stage)
+        self.state = grpo.TrainState(total_iters=self.run.g.iterations)
+        self.policy, self.g = self.run.policy, self.run.g
+
+    def iteration(self) -> tuple[dict, list]:
+        from pipeline.rewards.verifiers import reward_for
+        from pipeline.stages import grpo
+
+        out = grpo.grpo_iteration(self.run, self.state, reward_for)
+        self.state.iteration += 1
+        return out
+
+
 def prepare_with_random_policy(cfg) -> None:
     """In the cwd: run the prepare stage, then save ONE randomly initialised policy (seeded) as both
     checkpoints/sft and checkpoints/warmup. Random weights are fine for timing (they rarely emit a

@@ -3,7 +3,7 @@
 In a temp working dir: the prepare stage on the local GSM8K copy, then ONE randomly initialised
 policy saved as checkpoints/sft and checkpoints/warmup (random weights: fine for timing, and they
 almost never emit a stop token, so rollouts run to the full ``rollout_len``). Then
-``GRPOTrainer(cfg, "grpo").setup()``, one warm-up ``iteration()``, and ``--iters`` timed ones.
+``pipeline.stages.grpo.setup(cfg, "grpo")``, one warm-up ``grpo_iteration``, and ``--iters`` timed ones.
 Dynamic sampling is turned off for the timed stage (``--stage warmup`` has it on by default): with
 random weights every group would be dropped and rolled out again.
 
@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (alternate, default_gsm8k, emit, machine_line, matmul_ceiling, matmul_params,
+from common import (GRPOIterations, alternate, default_gsm8k, emit, machine_line, matmul_ceiling, matmul_params,
                     matmul_peak, matmul_weights, median, prepare_with_random_policy, timed, workdir)
 
 import torch
@@ -76,21 +76,19 @@ def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, 
 
 
 def _twin(cfg, stage: str, patch):
-    """One iteration of a second trainer (same seeds, so the same prompts and widths) with
-    `train.compute_logprobs` replaced by `patch(original)` for the duration of the iteration."""
-    import pipeline.stages.train as train_mod
+    """One iteration of a second set-up (same seeds, so the same prompts and widths) with the
+    stage's `compute_logprobs` replaced by `patch(original)` for the duration of the iteration."""
+    import pipeline.stages.grpo as grpo_mod
 
-    twin = train_mod.GRPOTrainer(cfg, stage)
-    twin.setup()
-    original = train_mod.compute_logprobs
+    twin = GRPOIterations(cfg, stage)
+    original = grpo_mod.compute_logprobs
 
     def run() -> None:
-        train_mod.compute_logprobs = patch(original)
+        grpo_mod.compute_logprobs = patch(original)
         try:
             twin.iteration()
-            twin.it += 1
         finally:
-            train_mod.compute_logprobs = original
+            grpo_mod.compute_logprobs = original
 
     return run
 
@@ -115,8 +113,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    import pipeline.stages.grpo as grpo_mod
     from pipeline.config import load_config
-    from pipeline.stages.train import GRPOTrainer
 
     from pipeline.model.policy import resolve_device
 
@@ -136,22 +134,20 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(device)
     with workdir():
         t_prep, _ = timed(lambda: prepare_with_random_policy(cfg))
-        trainer = GRPOTrainer(cfg, args.stage)
-        trainer.setup()
+        trainer = GRPOIterations(cfg, args.stage)
         seen = {}
-        sample = trainer._sample_groups
+        sample = grpo_mod.sample_groups
 
-        def capture():  # keep the last rollout's shapes for the FLOP count
-            out = sample()
-            seen["ro"] = out[1]
+        def capture(*a, **k):  # keep the last rollout's shapes for the FLOP count
+            out = sample(*a, **k)
+            seen["ro"] = out.rollout
             return out
 
-        trainer._sample_groups = capture
+        grpo_mod.sample_groups = capture
         metrics: list[dict] = []
 
         def one():
             m, _ = trainer.iteration()
-            trainer.it += 1
             metrics.append(m)
 
         runs = {"iteration": one}

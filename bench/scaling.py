@@ -3,7 +3,7 @@
 A small from-scratch GPT (default 2 x 128, vocab 2048 BPE, random init), ``--prompts`` arithmetic
 prompts per iteration, G in {4, 8, 16} x rollout length in {32, 64, 128}, every completion forced
 to full length (no stop tokens), kl_coef 0.04 (reference forward on), one update per iteration.
-Each configuration has its own GRPOTrainer (our real iteration: rollout, scoring, ref log-probs,
+Each configuration has its own GRPO stage set-up (our real iteration: rollout, scoring, ref log-probs,
 update); one warm-up iteration each, then ``--repeats`` rounds over all nine, alternating so load
 drifts hit every cell alike; the median per cell.
 
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (alternate, arith_rows, emit, machine_line, median, synthetic_corpus, workdir,
+from common import (GRPOIterations, alternate, arith_rows, emit, machine_line, median, synthetic_corpus, workdir,
                     write_rows)
 
 import torch
@@ -45,10 +45,10 @@ def main() -> None:
     from pipeline.checkpoint import save_policy
     from pipeline.config import CHECKPOINT_DIR, DATA_DIR, config_from_dict
     from pipeline.model.policy import build_policy
-    from pipeline.stages import train as train_mod
+    from pipeline import group_sampling
     from pipeline.tokenizer import train_tokenizer
 
-    train_mod.rollout_prompts = functools.partial(train_mod.rollout_prompts, stop_ids=[])  # full length
+    group_sampling.rollout_prompts = functools.partial(group_sampling.rollout_prompts, stop_ids=[])  # full length
     trainers, tokens = {}, {}
     with workdir():
         write_rows(arith_rows(64))
@@ -66,16 +66,12 @@ def main() -> None:
                 cfg = config_from_dict({"model": model, "tracking": {"enabled": False}, "grpo": {
                     "iterations": 1000, "prompts_per_iter": args.prompts, "group_size": G, "rollout_len": L,
                     "kl_coef": 0.04, "eval_every": 0}}, "scaling")
-                tr = train_mod.GRPOTrainer(cfg, "grpo")
-                tr.setup()
+                tr = GRPOIterations(cfg, "grpo")
                 trainers[(G, L)] = tr
                 tokens[(G, L)] = args.prompts * G * L
 
         def step(tr):
-            def run():
-                tr.iteration()
-                tr.it += 1
-            return run
+            return tr.iteration
 
         times = alternate({k: step(tr) for k, tr in trainers.items()}, args.repeats)
 

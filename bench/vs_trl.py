@@ -1,4 +1,4 @@
-"""Seconds per GRPO iteration: TRL's GRPOTrainer vs our GRPOTrainer (HF backend), same model, same workload.
+"""Seconds per GRPO iteration: TRL's GRPOTrainer vs our GRPO stage (HF backend), same model, same workload.
 
 Workload (both sides): one randomly initialised GPT-2 (4 layers x 256, vocab 2048 BPE, built from a
 config and saved to a temp folder with a HF tokenizer made from our BPE), 8 prompts x 8
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arith_rows, emit, load_avg, median, synthetic_corpus, workdir, write_rows
+from common import GRPOIterations, arith_rows, emit, load_avg, median, synthetic_corpus, workdir, write_rows
 
 import torch
 
@@ -56,11 +56,11 @@ def build_model(folder: Path, layers: int, width: int) -> tuple[int, object]:
 
 
 def ours_trainer(model_dir: Path, data: list[dict]):
-    """Our GRPOTrainer on the HF backend, in the cwd (data/ and checkpoints/ written here)."""
+    """Our GRPO stage's iterations on the HF backend, in the cwd (data/ and checkpoints/ written here)."""
     from pipeline.checkpoint import save_policy
     from pipeline.config import CHECKPOINT_DIR, config_from_dict
     from pipeline.model.policy import build_policy
-    from pipeline.stages import train as train_mod
+    from pipeline import group_sampling
 
     write_rows(data)
     model = {"backend": "hf", "init": str(model_dir), "device": "cpu", "dtype": "float32"}
@@ -74,10 +74,8 @@ def ours_trainer(model_dir: Path, data: list[dict]):
     for name in ("sft", "warmup"):
         save_policy(Path(CHECKPOINT_DIR) / name, policy)
     # exactly NEW_TOKENS per completion, as on the TRL side: no stop tokens
-    train_mod.rollout_prompts = functools.partial(train_mod.rollout_prompts, stop_ids=[])
-    trainer = train_mod.GRPOTrainer(cfg, "grpo")
-    trainer.setup()
-    return trainer
+    group_sampling.rollout_prompts = functools.partial(group_sampling.rollout_prompts, stop_ids=[])
+    return GRPOIterations(cfg, "grpo")
 
 
 def main() -> None:
@@ -119,7 +117,6 @@ def main() -> None:
                 trl_marks.append(time.perf_counter())
                 t0 = time.perf_counter()
                 ours.iteration()
-                ours.it += 1
                 ours_times.append(time.perf_counter() - t0)
                 if args.ab_shared_prefix:  # the same iteration with every group's prompt recomputed per row
                     shared, rollout_mod._prefix_shared = rollout_mod._prefix_shared, lambda *a: False

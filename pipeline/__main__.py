@@ -2,6 +2,8 @@
 
 The DVC stages call this; the Prefect tasks call the same stage functions directly.
 User mistakes (bad config, missing input files, bad data) print one line on stderr and exit 2.
+A stage with ``nproc > 1`` (warmup, grpo) is started here under torchrun, one process per rank;
+the stages themselves never start processes.
 """
 
 from __future__ import annotations
@@ -9,11 +11,45 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import subprocess
 import sys
+import tempfile
 
 from pipeline.config import STAGES, ConfigError, dump_config, load_config
 
 EXTRA_COMMANDS = ("compare",)
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at the time, so a live progress bar (which redirects
+    stderr while it draws) keeps log lines above itself."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _nproc(cfg, stage: str) -> int:
+    return getattr(getattr(cfg, stage, None), "nproc", 1)
+
+
+def run_under_torchrun(cfg, stage: str, nproc: int) -> int:
+    """Run `python -m pipeline STAGE` with this config in `nproc` processes (torchrun, DDP; rank 0
+    writes the outputs and prints the result line); its exit status."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(dump_config(cfg))
+        params = f.name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "pipeline", stage, "--params", params]
+    try:
+        return subprocess.run(cmd, check=False).returncode
+    finally:
+        os.unlink(params)
 
 
 
@@ -42,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.stages import stage_function
 
     # the stages' progress lines (logging.getLogger(__name__)) on stderr; other libraries stay quiet
-    handler = logging.StreamHandler()
+    handler = _CurrentStderr()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger("pipeline")
     root.setLevel(logging.INFO)
@@ -56,8 +92,16 @@ def main(argv: list[str] | None = None) -> int:
             print(compare_runs(cfg))
             return 0
         for name in names:
+            nproc = _nproc(cfg, name)
+            if nproc > 1 and "LOCAL_RANK" not in os.environ:
+                code = run_under_torchrun(cfg, name, nproc)
+                if code:
+                    print(f"error: {name}: torchrun with {nproc} processes failed (exit {code})", file=sys.stderr)
+                    return code
+                continue
             result = stage_function(name)(cfg)
-            print(json.dumps({"stage": name, **(result or {})}, default=str))
+            if os.environ.get("RANK", "0") == "0":
+                print(json.dumps({"stage": name, **(result or {})}, default=str))
     except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -39,6 +38,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.errors import CheckpointError
+from pipeline.files import sha256
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.policy import Policy, build_policy
 
@@ -86,17 +86,9 @@ def _atomic_folder(folder: str | Path):
         raise
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_manifest(folder: Path) -> None:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files}
     (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
 
 
@@ -116,7 +108,7 @@ def verify(folder: str | Path) -> None:
         size = path.stat().st_size
         if size != meta["bytes"]:
             raise CheckpointError(f"{path}: truncated or altered ({size} bytes, expected {meta['bytes']})")
-        if _sha256(path) != meta["sha256"]:
+        if sha256(path) != meta["sha256"]:
             raise CheckpointError(f"{path}: corrupt (SHA-256 does not match the manifest)")
 
 

@@ -101,8 +101,10 @@ def grpo_loss(
     loss_agg: LossAgg = "token-mean",
     importance: Importance = "token",
     max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss over (N, T) per-token log-probs; returns (loss, stats). `ref_logp` may be None iff kl_coef == 0."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss over (N, T) per-token log-probs; returns (loss, stats as 0-d tensors).
+    `ref_logp` may be None iff kl_coef == 0. `clipfrac` is the fraction of response tokens whose
+    ratio lies outside the clip range [1 - clip, 1 + (clip_high or clip)], whichever side."""
     # rewards are scored on the host: advantages (and the mask) join the log-probs' device here
     mask = resp_mask.to(device=new_logp.device, dtype=new_logp.dtype)
     eps_low, eps_high = clip, (clip_high or clip)
@@ -133,13 +135,15 @@ def grpo_loss(
     per_token = surrogate - kl_coef * kl
     loss = -aggregate(per_token, mask, loss_agg, max_len)
 
+    # --- statistics: 0-d tensors, no host sync here (the caller converts them when it logs) ----
     with torch.no_grad():
         r = ratio.detach()
+        below, above = (1.0 - r) > eps_low, (r - 1.0) > eps_high       # outside [1 - eps_low, 1 + eps_high]
         stats = {
-            "kl": masked_mean(kl.detach(), mask).item(),
-            "clipfrac": masked_mean(((r - 1.0).abs() > clip).to(mask.dtype), mask).item(),
-            "clipfrac_low": masked_mean(((r < 1.0 - eps_low) & (adv < 0)).to(mask.dtype), mask).item(),
-            "clipfrac_high": masked_mean(((r > 1.0 + eps_high) & (adv > 0)).to(mask.dtype), mask).item(),
-            "ratio_mean": masked_mean(r, mask).item(),
+            "kl": masked_mean(kl.detach(), mask),
+            "clipfrac": masked_mean((below | above).to(mask.dtype), mask),
+            "clipfrac_low": masked_mean((below & (adv < 0)).to(mask.dtype), mask),
+            "clipfrac_high": masked_mean((above & (adv > 0)).to(mask.dtype), mask),
+            "ratio_mean": masked_mean(r, mask),
         }
     return loss, stats

@@ -5,6 +5,10 @@
 - `lr_at`: the learning rate at an optimiser step as a pure function of the step, so a resumed run
   gets exactly the LR it would have had.
 - `seed_everything`: Python, NumPy (if installed) and torch RNGs from one seed.
+- `step_if_finite` and `count_nonfinite`: the one non-finite policy of SFT and GRPO. A step whose
+  loss or gradient norm is not finite (on any rank) is skipped and counted; `max_nonfinite` skipped
+  steps in a row stop the stage with :class:`~pipeline.errors.TrainingDivergedError`, leaving the
+  last resume state intact.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from pipeline import distributed as dist_utils
+from pipeline.errors import TrainingDivergedError
 
 # Modules whose parameters are never decayed, whatever their shape.
 _NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
@@ -87,14 +94,29 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A torch.Generator on `device` seeded with `seed` (for sampling that must not share global state)."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+def step_if_finite(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], grad_clip: float,
+                   loss: torch.Tensor) -> torch.Tensor | None:
+    """After `loss.backward()`: clip the global gradient norm to `grad_clip` and step, unless the loss
+    or the norm is non-finite on any rank; then the gradients are cleared and nothing moves.
+    Returns the (pre-clip) gradient norm, or None for a skipped step."""
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    finite = bool(torch.isfinite(loss).item()) and bool(torch.isfinite(norm).item())
+    if not dist_utils.all_true(finite):
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    optimizer.step()
+    return norm
 
 
-def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
-    """Global L2 norm of the gradients (for logging; clipping uses torch's clip_grad_norm_)."""
-    norms = [p.grad.detach().float().norm() for p in parameters if p.grad is not None]
-    return float(torch.stack(norms).norm()) if norms else 0.0
+def count_nonfinite(state, finite: bool, max_nonfinite: int, stage: str, where: str, resume_dir) -> None:
+    """Count a skipped step in `state.skipped` / `state.nonfinite_run` (reset by a finite one); raise
+    TrainingDivergedError at `max_nonfinite` in a row."""
+    if finite:
+        state.nonfinite_run = 0
+        return
+    state.skipped += 1
+    state.nonfinite_run += 1
+    if state.nonfinite_run >= max_nonfinite:
+        raise TrainingDivergedError(
+            f"{stage}: {state.nonfinite_run} consecutive non-finite steps at {where}; stopped. The last good "
+            f"checkpoint in {resume_dir} is intact; lower {stage}.lr or raise {stage}.max_nonfinite")

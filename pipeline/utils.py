@@ -16,9 +16,3 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     m = mask.to(x.dtype)
     count = m.sum() if dim is None else m.sum(dim)
     return masked_sum(x, m, dim) / count.clamp(min=1.0)
-
-
-def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Population variance of `x` over the masked positions."""
-    mean = masked_mean(x, mask)
-    return masked_mean((x - mean) ** 2, mask)

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from pipeline import distributed as du
 from pipeline.config import GRPOConfig, ModelConfig
 from pipeline.model.policy import build_policy
-from pipeline.stages.train import GRPOTrainer
+from pipeline.stages.grpo import Batch, TrainState, update
 from pipeline.tokenizer import train_tokenizer
 from pipeline.training import build_optimizer
 
@@ -38,14 +38,12 @@ def main(out: str) -> None:
     adv = torch.randn(N, generator=g)
     ref_lp = -2.0 + 0.1 * torch.randn(N, T, generator=g)
 
-    tr = object.__new__(GRPOTrainer)
-    tr.policy, tr.stage, tr.it, tr.world = policy, "ddp-check", 0, world
-    tr.g = GRPOConfig(group_size=2, prompts_per_iter=4, lr=1e-2, kl_coef=0.04)
-    tr.optimizer = build_optimizer(policy.module, tr.g.lr, 0.0)
-    tr.skipped, tr.nonfinite_run, tr.resume_dir = 0, 0, Path("unused")
+    g = GRPOConfig(group_size=2, prompts_per_iter=4, lr=1e-2, kl_coef=0.04)
+    optimizer = build_optimizer(policy.module, g.lr, 0.0)
     per = N // world
     sl = slice(rank * per, (rank + 1) * per)
-    stats = tr._update(ids[sl], attn[sl], resp[sl], adv[sl], None, ref_lp[sl])
+    batch = Batch(ids[sl], attn[sl], resp[sl], adv[sl], None, ref_lp[sl])
+    stats = update(policy, optimizer, g, batch, TrainState(total_iters=1), "ddp-check")
     stats = du.mean_across_ranks(stats)
     if rank == 0:
         save_file({k: v.contiguous().clone() for k, v in policy.module.state_dict().items()}, out)

@@ -67,11 +67,11 @@ def process_group():
 
 
 def _iteration(device) -> dict:
-    from pipeline.stages.train import GRPOTrainer
+    from pipeline.rewards.verifiers import reward_for
+    from pipeline.stages.grpo import TrainState, grpo_iteration, setup
 
-    trainer = GRPOTrainer(_cfg(str(device)), "warmup")
-    trainer.setup()
-    metrics, _ = trainer.iteration()
+    run = setup(_cfg(str(device)), "warmup")
+    metrics, _ = grpo_iteration(run, TrainState(total_iters=1), reward_for)
     return metrics
 
 

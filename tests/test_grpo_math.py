@@ -124,6 +124,32 @@ def test_clip_high_is_asymmetric():
     assert st["clipfrac_high"] == 0.0
 
 
+def test_clipfrac_counts_the_asymmetric_band_when_clip_high_is_set():
+    """Ratios 0.7, 0.9, 1.1, 1.25, 1.3 with clip 0.2 / clip_high 0.28: outside [0.8, 1.28] are 0.7 and
+    1.3 (2 of 5); the symmetric band [0.8, 1.2] would also count 1.25 (3 of 5)."""
+    ratios = torch.tensor([[0.7, 0.9, 1.1, 1.25, 1.3]])
+    new, old = ratios.log(), torch.zeros(1, 5)
+    mask = torch.ones(1, 5)
+    adv = torch.tensor([1.0])
+    _, st = grpo_loss(new, old, None, adv, mask, clip=0.2, clip_high=0.28, kl_coef=0.0)
+    assert st["clipfrac"].item() == pytest.approx(2 / 5)
+    assert st["clipfrac_high"].item() == pytest.approx(1 / 5)  # 1.3 with A > 0
+    assert st["clipfrac_low"].item() == 0.0  # 0.7 is below, but A > 0: the clip does not bind
+    _, sym = grpo_loss(new, old, None, adv, mask, clip=0.2, kl_coef=0.0)
+    assert sym["clipfrac"].item() == pytest.approx(3 / 5)
+    _, neg = grpo_loss(new, old, None, -adv, mask, clip=0.2, clip_high=0.28, kl_coef=0.0)
+    assert neg["clipfrac_low"].item() == pytest.approx(1 / 5) and neg["clipfrac_high"].item() == 0.0
+
+
+def test_loss_statistics_stay_tensors_on_the_loss_device():
+    """No `.item()` inside grpo_loss: every statistic is a 0-d tensor (one host sync per value would
+    otherwise stall the GPU once per minibatch); the caller converts them when it logs."""
+    new, old, ref, adv, mask = _batch()
+    _, stats = grpo_loss(new, old, ref, adv, mask)
+    assert set(stats) == {"kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"}
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and v.device == new.device for v in stats.values())
+
+
 def test_aggregations_hand_computed():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])

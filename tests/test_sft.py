@@ -214,5 +214,5 @@ def test_missing_prepared_data_is_a_one_line_input_error(prepared, tmp_path, mon
         sft.run_sft(smoke_config())
     Path("data").mkdir()
     shutil.copy(prepared / "tokenizer.json", "data/tokenizer.json")
-    with pytest.raises(InputError, match=r"arith_train.jsonl: not found \(run the prepare stage first\)"):
+    with pytest.raises(InputError, match=r"arith_train.jsonl: not found \(run the 'prepare' stage first\)"):
         sft.run_sft(smoke_config())

@@ -78,14 +78,16 @@ def _parity_reward(source):
     return lambda text, gold: float(len(text) % 2)
 
 
-def test_warmup_runs_metrics_finite_policy_changes_reference_frozen(workdir, monkeypatch):
-    from pipeline.stages import train
-    from pipeline.stages.train import run_warmup
+def run_warmup(cfg, **kw):
+    from pipeline.stages.grpo import run_grpo
 
-    # a random policy never answers right: all groups are uninformative and nothing would move
-    monkeypatch.setattr(train, "reward_for", _parity_reward)
+    return run_grpo(cfg, "warmup", **kw)
+
+
+def test_warmup_runs_metrics_finite_policy_changes_reference_frozen(workdir):
     before = weights(workdir / "checkpoints" / "sft")
-    summary = run_warmup(smoke_cfg("warmup.iterations=3"))
+    # a random policy never answers right: all groups would be uninformative and nothing would move
+    summary = run_warmup(smoke_cfg("warmup.iterations=3"), verifier=_parity_reward)
     assert summary["iterations"] == 3
     after = weights(workdir / "checkpoints" / "warmup")
     assert any(not torch.equal(before[k], after[k]) for k in before), "the policy did not change"
@@ -102,31 +104,53 @@ def test_warmup_runs_metrics_finite_policy_changes_reference_frozen(workdir, mon
     assert not (workdir / "checkpoints" / "warmup.resume").exists()
 
 
-def test_finished_stage_rerun_does_nothing(workdir, capsys):
-    from pipeline.stages.train import run_warmup
+def test_resume_state_from_other_params_is_ignored(workdir, monkeypatch, caplog):
+    """A resume state left by a run with other params is not continued (its key differs); one
+    from the same params is. Whether a finished stage re-runs at all is DVC's decision."""
+    from pipeline.stages import grpo
 
-    cfg = smoke_cfg("warmup.iterations=1")
-    run_warmup(cfg)
-    stamp = (workdir / "checkpoints" / "warmup" / "state.json").stat().st_mtime_ns
-    run_warmup(cfg)
-    assert "up to date" in capsys.readouterr().out
-    assert (workdir / "checkpoints" / "warmup" / "state.json").stat().st_mtime_ns == stamp
+    class Killed(Exception):
+        pass
+
+    def stop_after_save(*a, **k):  # a "kill" right after the first resume state is written
+        real_save(*a, **k)
+        raise Killed
+
+    real_save = grpo.save_resume
+    monkeypatch.setattr(grpo, "save_resume", stop_after_save)
+    with pytest.raises(Killed):
+        run_warmup(smoke_cfg("warmup.iterations=3", "warmup.eval_every=0"))
+    assert list((workdir / "checkpoints" / "warmup.resume").glob("step_*"))
+    monkeypatch.setattr(grpo, "save_resume", real_save)
+    with caplog.at_level("INFO", logger="pipeline"):
+        summary = run_warmup(smoke_cfg("warmup.iterations=3", "warmup.eval_every=0", "warmup.lr=2e-4"))
+    assert "ignoring resume state" in caplog.text and "resuming from" not in caplog.text
+    assert summary["iterations"] == 3 and len(_csv_rows(workdir / "plots" / "warmup.csv")) == 3
+
+    monkeypatch.setattr(grpo, "save_resume", stop_after_save)
+    with pytest.raises(Killed):
+        run_warmup(smoke_cfg("warmup.iterations=3", "warmup.eval_every=0"))
+    monkeypatch.setattr(grpo, "save_resume", real_save)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipeline"):
+        run_warmup(smoke_cfg("warmup.iterations=3", "warmup.eval_every=0"))
+    assert "resuming from" in caplog.text
 
 
 def test_minibatches_hold_whole_groups(workdir, monkeypatch):
-    from pipeline.stages import train
+    from pipeline.stages import grpo
 
     seen = []
-    real = train.grpo_loss
+    real = grpo.grpo_loss
 
     def spy(new, old, ref, adv, mask, **kw):
         seen.append(adv.detach().clone())
         return real(new, old, ref, adv, mask, **kw)
 
-    monkeypatch.setattr(train, "grpo_loss", spy)
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
     cfg = smoke_cfg("warmup.iterations=1", "warmup.prompts_per_iter=4", "warmup.minibatch_groups=1",
                     "warmup.grpo_epochs=2")
-    train.run_warmup(cfg)
+    run_warmup(cfg)
     G = cfg.warmup.group_size
     assert len(seen) == 2 * 4  # epochs x minibatches
     for adv in seen:
@@ -136,9 +160,6 @@ def test_minibatches_hold_whole_groups(workdir, monkeypatch):
 
 def test_all_wrong_groups_give_zero_policy_gradient(workdir, monkeypatch):
     """Every completion scores 0: advantages are 0, so with kl_coef 0 the gradient is exactly 0."""
-    from pipeline.stages import train
-
-    monkeypatch.setattr(train, "reward_for", lambda source: (lambda text, gold: 0.0))
     grads = []
     real_step = torch.optim.AdamW.step
 
@@ -148,16 +169,17 @@ def test_all_wrong_groups_give_zero_policy_gradient(workdir, monkeypatch):
         return real_step(self, *a, **k)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
-    summary = train.run_warmup(smoke_cfg("warmup.iterations=2", "warmup.kl_coef=0"))
+    summary = run_warmup(smoke_cfg("warmup.iterations=2", "warmup.kl_coef=0"),
+                         verifier=lambda source: (lambda text, gold: 0.0))
     assert grads == [0.0, 0.0]
     assert summary["reward_last"] == 0.0
 
 
 def test_forced_nan_is_skipped_and_counted_then_stops(workdir, monkeypatch):
     from pipeline.errors import TrainingDivergedError
-    from pipeline.stages import train
+    from pipeline.stages import grpo
 
-    real = train.grpo_loss
+    real = grpo.grpo_loss
     calls = {"n": 0}
 
     def nan_first(*a, **k):
@@ -165,15 +187,15 @@ def test_forced_nan_is_skipped_and_counted_then_stops(workdir, monkeypatch):
         loss, st = real(*a, **k)
         return (loss * float("nan") if calls["n"] == 1 else loss), st
 
-    monkeypatch.setattr(train, "grpo_loss", nan_first)
-    summary = train.run_warmup(smoke_cfg("warmup.iterations=3"))
+    monkeypatch.setattr(grpo, "grpo_loss", nan_first)
+    summary = run_warmup(smoke_cfg("warmup.iterations=3"))
     assert summary["skipped_steps"] == 1
     rows = (workdir / "plots" / "warmup.csv").read_text().splitlines()
     assert rows[-1].split(",")[rows[0].split(",").index("skipped_steps")] == "1"
 
-    monkeypatch.setattr(train, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), {}))
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), {}))
     with pytest.raises(TrainingDivergedError, match="consecutive non-finite"):
-        train.run_warmup(smoke_cfg("warmup.iterations=5", "warmup.max_nonfinite=2", "warmup.seed=1"))
+        run_warmup(smoke_cfg("warmup.iterations=5", "warmup.max_nonfinite=2", "warmup.seed=1"))
 
 
 def _run_cli(stage: str, *overrides: str, cwd: Path, wait: bool = True):
@@ -201,7 +223,7 @@ def test_kill_and_resume_is_bit_identical(workdir, tmp_path):
     proc = _run_cli("grpo", *overrides, cwd=workdir, wait=False)
     resume = workdir / "checkpoints" / "grpo.resume"
     deadline = time.time() + 240
-    while time.time() < deadline and not any(resume.glob("iter_000004")):
+    while time.time() < deadline and not any(resume.glob("step_000004")):
         if proc.poll() is not None:
             pytest.fail(f"run ended before it could be killed: {proc.stdout.read()}")
         time.sleep(0.05)
@@ -210,7 +232,7 @@ def test_kill_and_resume_is_bit_identical(workdir, tmp_path):
     assert not (workdir / "checkpoints" / "grpo").exists()
     res = _run_cli("grpo", *overrides, cwd=workdir)
     assert res.returncode == 0, res.stderr
-    assert "resuming from" in res.stdout
+    assert "resuming from" in res.stderr
     a, b = weights(ref_dir / "checkpoints" / "grpo"), weights(workdir / "checkpoints" / "grpo")
     assert a.keys() == b.keys()
     for k in a:
@@ -259,13 +281,12 @@ def _csv_rows(path: Path) -> list[dict[str, str]]:
 
 def test_dynamic_sampling_drops_zero_variance_groups(workdir, monkeypatch):
     """Groups whose gold is odd always score 0 (no variance): DAPO dynamic sampling replaces them."""
-    from pipeline.stages import train
+    def verifier(source):
+        return lambda text, gold: float(len(text) % 2) if int(gold) % 2 == 0 else 0.0
 
-    monkeypatch.setattr(train, "reward_for",
-                        lambda source: (lambda text, gold: float(len(text) % 2) if int(gold) % 2 == 0 else 0.0))
     cfg = smoke_cfg("warmup.iterations=2", "warmup.dynamic_sampling=true", "warmup.max_sampling_rounds=8",
                     "warmup.prompts_per_iter=4", "warmup.eval_every=0")
-    train.run_warmup(cfg)
+    run_warmup(cfg, verifier=verifier)
     rows = _csv_rows(workdir / "plots" / "warmup.csv")
     assert sum(int(r["dropped_groups"]) for r in rows) > 0
     informative_dynamic = sum(float(r["informative"]) for r in rows) / len(rows)
@@ -275,7 +296,8 @@ def test_dynamic_sampling_drops_zero_variance_groups(workdir, monkeypatch):
         assert 0.0 <= float(r["reward_sampled"]) <= 1.0
 
     # without it, the same rewards leave the odd-gold groups (about half) in the batch
-    train.run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, dynamic_sampling=False)))
+    run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, dynamic_sampling=False)),
+               verifier=verifier)
     rows = _csv_rows(workdir / "plots" / "warmup.csv")
     assert all(r["dropped_groups"] == "0" for r in rows)
     for r in rows:  # nothing dropped: the sampled batch is the trained batch
@@ -291,8 +313,6 @@ def test_samples_go_to_one_mlflow_table_per_stage(workdir):
     log_table call of the run failed (seen at iteration 145 of the default warmup)."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.stages.train import run_warmup
-
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     run_warmup(smoke_cfg("warmup.iterations=3", "warmup.eval_every=0", "tracking.enabled=true",
                          f"tracking.uri={uri}", "tracking.experiment=samples"))
@@ -307,8 +327,6 @@ def test_samples_go_to_one_mlflow_table_per_stage(workdir):
 
 
 def test_adaptive_curriculum_leaves_early_and_logs_why(workdir):
-    from pipeline.stages.train import run_warmup
-
     cfg = smoke_cfg("warmup.iterations=6", "warmup.adaptive=true", "warmup.exit_reward=0", "warmup.exit_accuracy=0",
                     "warmup.eval_every=2")
     summary = run_warmup(cfg)
@@ -335,22 +353,24 @@ def test_nproc_2_relaunches_under_torchrun_and_rank0_saves(workdir, dynamic):
 @given(n=st.integers(5, 40), world=st.integers(1, 4), seed=st.integers(0, 1000),
        rounds=st.lists(st.lists(st.integers(0, 6), min_size=4, max_size=4), min_size=1, max_size=6))
 def test_ranks_draw_in_step_and_never_share_a_prompt(n, world, seed, rounds):
-    """Dynamic sampling: ranks top up different numbers of groups per round. Each rank's sampler
+    """Dynamic sampling: ranks top up different numbers of groups per round. Each rank's cursor
     must stay at the same position as the others' (else later iterations overlap) and no two ranks
     may get the same prompt in a round (within one epoch of the permutation)."""
-    from pipeline.stages.train_state import PromptSampler
+    from pipeline.group_sampling import next_prompts, next_shard
 
-    samplers = [PromptSampler(n, seed) for _ in range(world)]
-    plain = PromptSampler(n, seed)
+    cursors = [(0, 0)] * world
+    plain = (0, 0)
     for needs in rounds:
         needs = needs[:world]
         need_max = max(needs)
-        before = samplers[0].state()["pos"] % n  # where this round's draw starts in the permutation
-        shards = [s.next_shard(needs[r], need_max, r, world) for r, s in enumerate(samplers)]
+        before = cursors[0][1] % n  # where this round's draw starts in the permutation
+        drawn = [next_shard(n, seed, cursors[r], needs[r], need_max, r, world) for r in range(world)]
+        shards, cursors = [d[0] for d in drawn], [d[1] for d in drawn]
         assert [len(x) for x in shards] == needs
-        assert len({s.state()["epoch"] * n + s.state()["pos"] for s in samplers}) == 1  # in step
+        assert len({e * n + p for e, p in cursors}) == 1  # in step
         if before + need_max * world <= n:  # the round stays inside one permutation: all distinct
             flat = [i for x in shards for i in x]
             assert len(flat) == len(set(flat))
         if world == 1:
-            assert shards[0] == plain.next(needs[0])  # one process: exactly the plain draw
+            expected, plain = next_prompts(n, seed, plain, needs[0])
+            assert shards[0] == expected  # one process: exactly the plain draw

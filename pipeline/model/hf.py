@@ -80,12 +80,6 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def hf_logits(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
-    """Full-sequence logits (B, T, V) with explicit positions (padding-invariant)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return out.logits
-
-
 def hf_shared_prefix_logits(model: nn.Module, input_ids, attention_mask, position_ids, start: int,
                             group: int) -> torch.Tensor:
     """Logits at positions ``start-1 .. T-2`` (N, T-start, V) of group-contiguous rows whose first

@@ -124,9 +124,6 @@ class Policy:
         cfg = dataclasses.replace(self.model_cfg, compile=False)
         return Policy(module, self.tokenizer, cfg, self.device)
 
-    def gpt_config(self) -> GPTConfig | None:
-        return self.module.config if self.backend == "gpt" else None
-
 
 class _Autocasting:
     """Runs a decoder's prefill/step under the policy's autocast."""

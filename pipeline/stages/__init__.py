@@ -1,6 +1,8 @@
-"""One pure function per stage, `run_<stage>(cfg) -> dict`, called by the CLI, DVC and Prefect.
+"""One function per stage, `run_<stage>(cfg) -> dict`, called by the CLI (which DVC runs).
 
-The returned dict is small and JSON-serialisable: output paths and headline figures.
+The returned dict is small and JSON-serialisable: output paths and headline figures. The stage
+list (`STAGES`, in pipeline order) is :data:`pipeline.config.STAGES`; this registry maps each to
+its function and must name exactly those.
 """
 
 from __future__ import annotations
@@ -10,20 +12,21 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.config import Config
+from pipeline.config import STAGES, Config
 
-# stage name -> (module, function); imported lazily so `--help` stays fast
-_REGISTRY = {
-    "prepare": ("pipeline.stages.prepare", "run_prepare"),
-    "sft": ("pipeline.stages.sft", "run_sft"),
-    "warmup": ("pipeline.stages.train", "run_warmup"),
-    "grpo": ("pipeline.stages.train", "run_grpo"),
-    "evaluate": ("pipeline.stages.evaluate", "run_evaluate"),
+# stage name -> (module, function, leading arguments after cfg); imported lazily so `--help` stays fast
+_REGISTRY: dict[str, tuple[str, str, tuple[Any, ...]]] = {
+    "prepare": ("pipeline.stages.prepare", "run_prepare", ()),
+    "sft": ("pipeline.stages.sft", "run_sft", ()),
+    "warmup": ("pipeline.stages.grpo", "run_grpo", ("warmup",)),
+    "grpo": ("pipeline.stages.grpo", "run_grpo", ("grpo",)),
+    "evaluate": ("pipeline.stages.evaluate", "run_evaluate", ()),
 }
+assert tuple(_REGISTRY) == STAGES, "one registry entry per stage, in pipeline order"
 
 
 def apply_runtime(cfg: Config) -> None:
-    """Process-wide settings every stage runs under (the CLI, DVC and Prefect all get them)."""
+    """Process-wide settings every stage runs under."""
     if cfg.model.num_threads > 0:
         import torch
 
@@ -33,12 +36,12 @@ def apply_runtime(cfg: Config) -> None:
 def stage_function(name: str) -> Callable[[Config], dict[str, Any]]:
     if name not in _REGISTRY:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(_REGISTRY)}")
-    module, func = _REGISTRY[name]
+    module, func, args = _REGISTRY[name]
     run = getattr(importlib.import_module(module), func)
 
     @functools.wraps(run)
     def with_runtime(cfg: Config) -> dict[str, Any]:
         apply_runtime(cfg)
-        return run(cfg)
+        return run(cfg, *args)
 
     return with_runtime

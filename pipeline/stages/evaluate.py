@@ -16,7 +16,6 @@ deterministic; sampling uses a generator seeded with ``evaluate.seed`` for each 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from pipeline import evaluation as ev
 from pipeline import files
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
 from pipeline.errors import InputError
+from pipeline.generation import generate
 from pipeline.tracking import stage_logger
 
 TASK_FILES = {"gsm8k": "gsm8k_test.jsonl", "arith": "arith_eval.jsonl"}
@@ -37,22 +37,14 @@ SAMPLE_TABLE_ROWS = 5  # per stage and task, in the tracker's table of sample pr
 # --------------------------------------------------------------------------- inputs
 
 def load_rows(path: Path, limit: int = 0) -> list[dict[str, Any]]:
-    """The first `limit` rows (0 = all) of a processed JSONL, in file order (deterministic)."""
-    if not path.is_file():
-        raise InputError(f"{path}: evaluation data not found (it is made by the 'prepare' stage)")
-    rows: list[dict[str, Any]] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                row["prompt"], row["gold"] = str(row["prompt"]), float(row["gold"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise InputError(f"{path}:{lineno}: bad row ({exc}); expected JSON with prompt and gold") from None
-            rows.append(row)
-            if limit and len(rows) >= limit:
-                break
+    """The first `limit` rows (0 = all) of a prepared JSONL (:func:`pipeline.files.read_rows`), with
+    each row's `prompt` and `gold` checked; an empty file is an error (nothing to evaluate)."""
+    rows = files.read_rows(path, limit)
+    for i, row in enumerate(rows, 1):
+        try:
+            row["prompt"], row["gold"] = str(row["prompt"]), float(row["gold"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{path}: row {i}: bad row ({exc!r}); expected JSON with prompt and gold") from None
     if not rows:
         raise InputError(f"{path}: no rows to evaluate (re-run the 'prepare' stage)")
     return rows
@@ -73,44 +65,6 @@ def checkpoint_folder(stage: str) -> Path:
     if is_checkpoint(folder):
         verify(folder)  # CheckpointError (an InputError) on a truncated or corrupt file
     return folder
-
-
-# --------------------------------------------------------------------------- generation
-
-def generate(policy, prompts: Sequence[str], *, batch_size: int, max_new_tokens: int, group_size: int = 1,
-             greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
-             generator: torch.Generator | None = None,
-             advance: Callable[[int], None] | None = None) -> tuple[list[str], list[int], list[bool]]:
-    """Completions for `prompts`, `batch_size` prompts per KV-cached rollout; group-contiguous.
-
-    Prompts are taken in the given order (deterministic batches). Where a batch's longest prompt
-    plus `max_new_tokens` would overflow the model's context, that batch's budget shrinks to fit;
-    the completions that hit the smaller budget count as truncated.
-    """
-    from pipeline.rollout import rollout_prompts
-
-    texts: list[str] = []
-    lengths: list[int] = []
-    truncated: list[bool] = []
-    limit = policy.max_len
-    for start in range(0, len(prompts), batch_size):
-        ids = [policy.tokenizer.encode(p) for p in prompts[start:start + batch_size]]
-        budget = max_new_tokens
-        if limit is not None:
-            longest = max(len(x) for x in ids)
-            budget = min(max_new_tokens, limit - longest)
-            if budget < 1:
-                raise InputError(f"a prompt of {longest} tokens leaves no room to answer in the model's "
-                                 f"context of {limit} tokens (prompt #{start + 1}..{start + len(ids)})")
-        ro = rollout_prompts(policy, None, group_size=group_size, max_new_tokens=budget,
-                             temperature=temperature, top_p=top_p, top_k=0, greedy=greedy,
-                             generator=generator, prompt_ids=ids)
-        texts += list(ro.texts)
-        lengths += [int(x) for x in ro.response_lengths.tolist()]
-        truncated += [bool(x) for x in ro.truncated.tolist()]
-        if advance is not None:
-            advance(len(ids))
-    return texts, lengths, truncated
 
 
 def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,

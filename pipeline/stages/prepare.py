@@ -49,21 +49,6 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def read_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a prepared JSONL file (for the stages after prepare)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: not found (run the prepare stage first)")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{lineno}: invalid JSON ({exc.msg}); rerun the prepare stage") from None
-    return rows
-
-
 def _length_stats(values: list[int]) -> dict[str, float]:
     if not values:
         return {"min": 0, "mean": 0.0, "p95": 0, "max": 0}

@@ -38,12 +38,9 @@ from pipeline.checkpoint import init_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config
 from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
-from pipeline.files import write_series_csv
+from pipeline.files import read_rows, write_series_csv
+from pipeline.generation import greedy_accuracy
 from pipeline.model.policy import build_policy
-from pipeline.rewards.parsing import extract_answer
-from pipeline.rewards.verifiers import answers_match
-from pipeline.rollout import rollout_prompts
-from pipeline.stages.prepare import read_jsonl_rows
 from pipeline.tokenizer import load_tokenizer
 from pipeline.tracking import stage_logger
 from pipeline.training import build_optimizer, lr_at, seed_everything, set_lr
@@ -51,7 +48,7 @@ from pipeline.training import build_optimizer, lr_at, seed_everything, set_lr
 log = logging.getLogger(__name__)
 
 CSV_COLUMNS = ("step", "loss", "val_loss", "arith_accuracy")
-EVAL_BATCH = 64  # prompts per greedy generation batch / sequences per validation-loss batch
+EVAL_BATCH = 64  # sequences per validation-loss batch
 
 Example = tuple[list[int], int]  # (prompt + response + eos token ids, number of prompt tokens)
 
@@ -137,18 +134,6 @@ def validation_loss(policy, examples: Sequence[Example], pad_id: int) -> float |
     return total / max(count, 1)
 
 
-def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> float | None:
-    """Fraction of `rows` whose greedy completion's `<answer>` matches the gold number."""
-    if not rows:
-        return None
-    correct = 0
-    for s in range(0, len(rows), EVAL_BATCH):
-        batch = rows[s:s + EVAL_BATCH]
-        ro = rollout_prompts(policy, [r["prompt"] for r in batch], 1, max_new_tokens, greedy=True)
-        correct += sum(answers_match(extract_answer(t), r["gold"]) for t, r in zip(ro.texts, batch))
-    return correct / len(rows)
-
-
 def write_series(path: Path, series: dict[int, dict[str, float | None]]) -> Path:
     """sft.csv: one row per logged step (the step is the x axis of `dvc plots`)."""
     return write_series_csv(path, ({"step": step, **series[step]} for step in sorted(series)), CSV_COLUMNS)
@@ -195,10 +180,10 @@ def run_sft(cfg: Config) -> dict[str, Any]:
     started = time.monotonic()
     seed_everything(s.seed)
     tok = _load_tokenizer()
-    arith, dropped_a = encode_examples(tok, read_jsonl_rows(data / "arith_train.jsonl"), s.max_len)
-    gsm, dropped_g = encode_examples(tok, read_jsonl_rows(data / "gsm8k_train.jsonl"), s.max_len)
-    val, _ = encode_examples(tok, read_jsonl_rows(data / "gsm8k_val.jsonl"), cfg.model.block_size)
-    eval_rows = read_jsonl_rows(data / "arith_eval.jsonl")[: s.eval_samples]
+    arith, dropped_a = encode_examples(tok, read_rows(data / "arith_train.jsonl"), s.max_len)
+    gsm, dropped_g = encode_examples(tok, read_rows(data / "gsm8k_train.jsonl"), s.max_len)
+    val, _ = encode_examples(tok, read_rows(data / "gsm8k_val.jsonl"), cfg.model.block_size)
+    eval_rows = read_rows(data / "arith_eval.jsonl")[: s.eval_samples]
     if s.arith_fraction == 0:
         arith = []
     if s.arith_fraction == 1:

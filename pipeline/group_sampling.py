@@ -1,0 +1,177 @@
+"""Which groups a GRPO iteration trains on: the prompt order, DAPO dynamic sampling, the verifier.
+
+- ``next_prompts`` / ``next_shard``: seeded epoch-wise permutations of the training rows. The whole
+  state is a cursor ``(epoch, pos)``, which the trainer keeps in its resumable state.
+- ``sample_groups``: this rank's ``prompts_per_iter / world`` prompts, G completions each
+  (group-contiguous), scored by the verifier. With dynamic sampling a zero-variance group (every
+  completion scored the same: zero advantages, no policy gradient) is dropped and replaced by a
+  fresh prompt, for up to ``max_sampling_rounds`` rollout rounds.
+- ``fitting_rows``: the prompts that leave room for the rollout in the model's context.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline import distributed as dist_utils
+from pipeline.config import GRPOConfig
+from pipeline.errors import InputError
+from pipeline.model.policy import Policy
+from pipeline.rollout import Rollout, rollout_prompts
+
+log = logging.getLogger(__name__)
+
+Cursor = tuple[int, int]  # (epoch, position in that epoch's permutation of the rows)
+Verifier = Callable[[str], Callable[[str, Any], float]]  # a row's `source` -> (completion, gold) -> reward
+
+
+# --------------------------------------------------------------------------- prompt order
+
+def _permutation(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 7919 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def next_prompts(n: int, seed: int, cursor: Cursor, k: int) -> tuple[list[int], Cursor]:
+    """The next `k` row indices of seeded epoch-wise permutations of range(n), and the new cursor."""
+    epoch, pos = cursor
+    order = _permutation(n, seed, epoch)
+    out: list[int] = []
+    while len(out) < k:
+        if pos >= n:
+            epoch, pos = epoch + 1, 0
+            order = _permutation(n, seed, epoch)
+        take = min(k - len(out), n - pos)
+        out += order[pos:pos + take]
+        pos += take
+    return out, (epoch, pos)
+
+
+def next_shard(n: int, seed: int, cursor: Cursor, need: int, need_max: int, rank: int,
+               world: int) -> tuple[list[int], Cursor]:
+    """This rank's `need` fresh indices when every rank draws in the same round.
+
+    Every rank advances the cursor by the same `need_max * world` indices (`need_max`: the largest
+    `need` over ranks), and rank r takes from its own block of `need_max`, so the cursors stay in
+    step and no two ranks get the same prompt, even when dynamic sampling makes ranks top up
+    different numbers of groups. One process: the same as `next_prompts(n, seed, cursor, need)`.
+    """
+    drawn, cursor = next_prompts(n, seed, cursor, need_max * world)
+    return drawn[rank * need_max:rank * need_max + need], cursor
+
+
+# --------------------------------------------------------------------------- groups
+
+@dataclass
+class Groups:
+    """One iteration's training batch on this rank (see `sample_groups`)."""
+
+    rows: list[dict[str, Any]]  # the kept prompts' rows
+    rollout: Rollout  # their G completions each, group-contiguous
+    rewards: torch.Tensor  # (len(rows) * G,) verifier rewards of the rollout's rows
+    sampled: torch.Tensor  # (groups, G) rewards of every group rolled out, the dropped ones included
+    dropped: int  # groups dropped for zero variance
+    cursor: Cursor  # the prompt cursor after this iteration's draws
+    times: dict[str, float]  # seconds in rollout and scoring
+
+
+def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, verifier: Verifier) -> torch.Tensor:
+    """Verifier rewards (N,) of group-contiguous completions (completion i answers rows[i // G])."""
+    return torch.tensor([verifier(rows[i // group_size]["source"])(t, rows[i // group_size]["gold"])
+                         for i, t in enumerate(texts)])
+
+
+def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, g: GRPOConfig, verifier: Verifier,
+                  generator: torch.Generator, rank: int = 0, world: int = 1) -> Groups:
+    """Roll out and score this rank's groups; with dynamic sampling, replace zero-variance groups."""
+    G, per_rank = g.group_size, g.prompts_per_iter // world
+    kept_rows: list[dict[str, Any]] = []
+    kept: list[tuple[Rollout, list[int]]] = []
+    kept_rewards: list[torch.Tensor] = []
+    sampled: list[torch.Tensor] = []
+    dropped, rounds, times = 0, 0, {"rollout": 0.0, "scoring": 0.0}
+    while rounds < g.max_sampling_rounds:
+        need = per_rank - len(kept_rows)
+        # all ranks draw together (same cursor, disjoint prompts) until none needs more
+        need_max = dist_utils.max_across_ranks(need)
+        if need_max == 0:
+            break
+        idx, cursor = next_shard(len(rows), g.seed, cursor, need, need_max, rank, world)
+        rounds += 1
+        if not idx:  # this rank is full; it still drew so that its cursor stays in step
+            continue
+        batch = [rows[i] for i in idx]
+        t0 = time.perf_counter()
+        ro = rollout_prompts(policy, [r["prompt"] for r in batch], G, g.rollout_len, g.temperature,
+                             g.top_p, g.top_k, generator=generator)
+        t1 = time.perf_counter()
+        rewards = score(batch, ro.texts, G, verifier).view(-1, G)  # (prompts, G)
+        times["rollout"] += t1 - t0
+        times["scoring"] += time.perf_counter() - t1
+        sampled.append(rewards)
+        informative = rewards.std(dim=1) > 1e-6
+        for j, row in enumerate(batch):
+            # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)
+            if g.dynamic_sampling and not informative[j] and rounds < g.max_sampling_rounds:
+                dropped += 1
+                continue
+            kept_rows.append(row)
+            kept.append((ro, list(range(j * G, (j + 1) * G))))
+            kept_rewards.append(rewards[j])
+        if not g.dynamic_sampling:
+            break
+    rollout = select_rollouts(kept[:per_rank], policy.tokenizer.pad_id)
+    return Groups(kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), torch.cat(sampled), dropped,
+                  cursor, times)
+
+
+def select_rollouts(parts: list[tuple[Rollout, list[int]]], pad_id: int) -> Rollout:
+    """Concatenate chosen rows of several rollouts, re-padding prompts (left) and responses (right).
+
+    Extra left padding does not change log-probs: positions come from the attention mask.
+    """
+    if len({id(ro) for ro, _ in parts}) == 1:
+        ro, _ = parts[0]
+        idx = torch.tensor([i for _, rows in parts for i in rows])
+        if idx.numel() == ro.input_ids.shape[0] and torch.equal(idx, torch.arange(idx.numel())):
+            return ro
+    P = max(ro.prompt_len for ro, _ in parts)
+    R = max(ro.input_ids.shape[1] - ro.prompt_len for ro, _ in parts)
+    fields: dict[str, list] = {k: [] for k in ("input_ids", "attention_mask", "response_mask", "logprobs")}
+    texts, lengths, trunc = [], [], []
+    for ro, rows in parts:
+        idx = torch.tensor(rows)
+        left, right = P - ro.prompt_len, R - (ro.input_ids.shape[1] - ro.prompt_len)
+        for name in fields:
+            t = getattr(ro, name)[idx]
+            fill = pad_id if name == "input_ids" else 0
+            fields[name].append(torch.nn.functional.pad(t, (left, right), value=fill))
+        texts += [ro.texts[i] for i in rows]
+        lengths.append(ro.response_lengths[idx])
+        trunc.append(ro.truncated[idx])
+    return Rollout(**{k: torch.cat(v) for k, v in fields.items()}, texts=texts,
+                   response_lengths=torch.cat(lengths), truncated=torch.cat(trunc), prompt_len=P)
+
+
+def fitting_rows(rows: list[dict[str, Any]], policy: Policy, rollout_len: int, path: Path,
+                 stage: str) -> list[dict[str, Any]]:
+    """Rows whose prompt leaves room for `rollout_len` new tokens in the model's context."""
+    limit = policy.max_len
+    if limit is None:
+        return rows
+    budget = limit - rollout_len
+    kept = [r for r in rows if len(policy.tokenizer.encode(r["prompt"])) <= budget]
+    if len(kept) < len(rows):
+        log.info("%s: %d of %d prompts in %s leave no room for %s.rollout_len = %d tokens in the %d-token "
+                 "context; skipped", stage, len(rows) - len(kept), len(rows), path, stage, rollout_len, limit)
+    if not kept:
+        raise InputError(f"{path}: no prompt fits model.block_size = {limit} with {stage}.rollout_len = "
+                         f"{rollout_len}; raise model.block_size or lower the rollout length")
+    return kept

@@ -1,0 +1,88 @@
+"""Resumable training state: a trainer's own state, the policy, the optimizer and every RNG.
+
+The trainer's state is any dataclass of JSON values (counters, a metric series); this module
+knows nothing else about it. ``save_resume`` writes it with the weights, the optimizer state, the
+global RNGs and an optional sampling generator to ``folder/step_NNNNNN`` through
+:func:`pipeline.checkpoint.save_training_state` (safetensors + JSON, atomic, verified on load, no
+pickle) and keeps the newest ``keep_last``. ``load_resume`` restores the newest intact one.
+
+Each state carries a compatibility key (:func:`resume_key`: the params and the bytes of the
+inputs it was made from). ``load_resume`` ignores a state with another key, so a state left by
+other params or inputs never leaks into a run; whether a stage is up to date is not decided here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from pipeline.checkpoint import (TRAIN_JSON, capture_rng_state, load_training_state, restore_rng_state,
+                                 save_training_state)
+from pipeline.errors import CheckpointError
+from pipeline.files import sha256
+from pipeline.model.policy import Policy
+
+log = logging.getLogger(__name__)
+State = TypeVar("State")
+
+
+def resume_key(params: Mapping[str, Any], files: Iterable[Path]) -> str:
+    """SHA-256 over `params` (JSON, sorted keys) and the SHA-256 of each file, in the given order."""
+    h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
+    for path in files:
+        h.update(sha256(path).encode())
+    return h.hexdigest()
+
+
+def save_resume(folder: Path, step: int, key: str, state: Any, policy: Policy, optimizer: torch.optim.Optimizer,
+                generator: torch.Generator | None, keep_last: int) -> Path:
+    """Write `state` (a dataclass) with weights, optimizer and RNGs to folder/step_NNNNNN atomically."""
+    rng = {**({"sampling": generator.get_state()} if generator is not None else {}), **capture_rng_state()}
+    out = save_training_state(folder / f"step_{step:06d}", policy, optimizer, None, rng,
+                              {"key": key, "state": dataclasses.asdict(state)})
+    for old in sorted(folder.glob("step_*"))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _peek(candidate: Path) -> dict[str, Any] | None:
+    """The key and state stored in a candidate folder, or None if unreadable."""
+    try:
+        extra = json.loads((candidate / TRAIN_JSON).read_text())["extra"]
+        return extra if isinstance(extra["key"], str) and isinstance(extra["state"], dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_resume(folder: Path, key: str, state_type: type[State], policy: Policy, optimizer: torch.optim.Optimizer,
+                generator: torch.Generator | None) -> State | None:
+    """The newest intact state in `folder` saved under `key`, with weights, optimizer and RNGs
+    restored in place; None (nothing restored) if there is none."""
+    if not folder.is_dir():
+        return None
+    for candidate in sorted(folder.glob("step_*"), reverse=True):
+        extra = _peek(candidate)
+        if extra is None or extra["key"] != key:
+            log.info("ignoring resume state %s (other inputs or params, or unreadable)", candidate)
+            continue
+        try:
+            state = state_type(**extra["state"])  # before any weight is touched
+            rng = load_training_state(candidate, policy, optimizer)["rng_state"]
+        except (CheckpointError, TypeError) as exc:
+            log.info("ignoring resume state %s (%s)", candidate, exc)
+            continue
+        sampling = rng.pop("sampling", None)
+        if generator is not None and sampling is not None:
+            generator.set_state(sampling)
+        restore_rng_state(rng)
+        log.info("resuming from %s", candidate)
+        return state
+    return None

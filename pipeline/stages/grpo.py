@@ -1,0 +1,387 @@
+"""The two GRPO stages, one loop (the seed's section 5):
+
+- ``warmup``: GRPO on the arithmetic curriculum, from ``checkpoints/sft``, writes ``checkpoints/warmup``.
+- ``grpo``:   GRPO on GSM8K train, from ``checkpoints/warmup``, writes ``checkpoints/grpo``.
+
+The frozen reference policy of both is the SFT checkpoint. ``run_grpo`` is the loop: one
+``grpo_iteration`` (sample groups -> score -> advantages -> old/ref log-probs -> update), then
+evaluate, adapt the curriculum, log and save. Everything the loop carries between iterations is a
+plain :class:`TrainState`; what stays fixed for the stage (policy, reference, optimizer, data) is a
+:class:`GRPORun`.
+
+Resume: every ``save_every`` iterations :mod:`pipeline.resume` writes the state, policy, optimizer
+and RNGs to ``checkpoints/<stage>.resume/``; a re-run after a kill continues from there and ends
+bit-identical (CPU) to an uninterrupted run. Whether a stage needs to run at all is DVC's call.
+
+Several processes (``nproc > 1``): the CLI starts the stage under torchrun; prompts are sharded by
+rank and rank 0 writes the outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline import distributed as dist_utils
+from pipeline.checkpoint import load_policy, save_policy
+from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig
+from pipeline.errors import InputError
+from pipeline.files import read_rows, write_series_csv
+from pipeline.generation import greedy_accuracy
+from pipeline.group_sampling import Groups, Verifier, fitting_rows, sample_groups
+from pipeline.grpo import group_advantages, grpo_loss, informative_fraction
+from pipeline.model.policy import Policy
+from pipeline.progress import progress_bar
+from pipeline.resume import load_resume, resume_key, save_resume
+from pipeline.rewards.verifiers import reward_for
+from pipeline.rollout import compute_logprobs
+from pipeline.tracking import Logger, stage_logger
+from pipeline.training import build_optimizer, count_nonfinite, lr_at, set_lr, step_if_finite
+
+log = logging.getLogger(__name__)
+
+STAGE_IO = {  # stage -> (init checkpoint, train file, held-out file)
+    "warmup": ("sft", "arith_train.jsonl", "arith_eval.jsonl"),
+    "grpo": ("warmup", "gsm8k_train.jsonl", "gsm8k_val.jsonl"),
+}
+REFERENCE = "sft"
+CSV_COLUMNS = ["iteration", "reward", "reward_std", "informative", "kl", "clipfrac", "loss", "grad_norm",
+               "response_len", "truncated", "entropy", "lr", "dropped_groups", "reward_sampled",
+               "informative_sampled", "skipped_steps", "tokens_per_s", "accuracy"]
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from one iteration to the next besides weights, optimizer and RNGs
+    (all of it resumable: JSON values only)."""
+
+    total_iters: int  # the adaptive curriculum may move it
+    iteration: int = 0  # iterations done
+    prompt_epoch: int = 0  # cursor of the seeded prompt order (pipeline.group_sampling)
+    prompt_pos: int = 0
+    nonfinite_run: int = 0  # skipped (non-finite) steps in a row
+    skipped: int = 0  # skipped steps in all
+    adaptive_log: list[str] = field(default_factory=list)
+    series: list[dict[str, Any]] = field(default_factory=list)  # one CSV row per iteration
+
+
+@dataclass
+class StagePaths:
+    init: Path
+    reference: Path
+    out: Path
+    resume: Path
+    csv: Path
+    train: Path
+    eval: Path
+
+    @classmethod
+    def of(cls, stage: str) -> StagePaths:
+        if stage not in STAGE_IO:
+            raise ValueError(f"stage={stage!r}; allowed: {', '.join(STAGE_IO)}")
+        init, train, held_out = STAGE_IO[stage]
+        ckpt, data = Path(CHECKPOINT_DIR), Path(DATA_DIR)
+        return cls(ckpt / init, ckpt / REFERENCE, ckpt / stage, ckpt / f"{stage}.resume",
+                   Path(PLOTS_DIR) / f"{stage}.csv", data / train, data / held_out)
+
+
+@dataclass
+class GRPORun:
+    """What stays fixed for a stage: its config, files, data, policy, reference, optimizer, generator."""
+
+    cfg: Config
+    stage: str
+    g: GRPOConfig
+    paths: StagePaths
+    train_rows: list[dict[str, Any]]
+    eval_rows: list[dict[str, Any]]
+    policy: Policy
+    ref: Policy | None
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator
+    rank: int = 0
+    world: int = 1
+
+
+# --------------------------------------------------------------------------- the loop
+
+def run_grpo(cfg: Config, stage: str, verifier: Verifier = reward_for) -> dict[str, Any]:
+    """Run the `warmup` or `grpo` stage; `verifier` maps a row's source to its reward function."""
+    run = setup(cfg, stage)
+    g, is_main = run.g, run.rank == 0
+    key = compatibility_key(run)
+    state = (load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator)
+             or TrainState(total_iters=g.iterations))
+    with stage_logger(cfg, stage, enabled=is_main) as tracker, progress_bar(enabled=is_main) as bar:
+        if is_main:
+            tracker.log_params(cfg.flat())
+            tracker.set_tags({"stage": stage, "resumed_from": str(state.iteration)})
+        task = bar.add_task(stage, total=state.total_iters, completed=state.iteration, info="")
+        while state.iteration < state.total_iters:
+            metrics, samples = grpo_iteration(run, state, verifier)
+            state.iteration += 1
+            it, last = state.iteration, state.iteration == state.total_iters
+            # --- evaluate, adapt the curriculum ------------------------------------------------
+            if g.eval_every and (it % g.eval_every == 0 or last):
+                metrics["accuracy"] = greedy_accuracy(run.policy, run.eval_rows, g.rollout_len)
+            adapt_curriculum(g, state, metrics)
+            state.series.append({"iteration": it, **{k: metrics.get(k) for k in CSV_COLUMNS[1:]}})
+            # --- log -----------------------------------------------------------------------------
+            info = progress_info(metrics, g.dynamic_sampling)
+            bar.update(task, completed=it, total=state.total_iters, info=info)
+            if is_main and (it % g.log_every == 0 or it == state.total_iters):
+                log_iteration(tracker, stage, state, metrics, samples, info)
+            # --- save ----------------------------------------------------------------------------
+            if is_main and it % g.save_every == 0 and it < state.total_iters:
+                save_resume(run.paths.resume, it, key, state, run.policy, run.optimizer, run.generator, g.keep_last)
+                write_series_csv(run.paths.csv, state.series, CSV_COLUMNS)
+        summary = finish(run, state, tracker)
+    dist_utils.barrier()
+    return summary
+
+
+def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple[dict[str, Any], list[dict]]:
+    """One iteration: sample groups -> score -> advantages -> old/ref log-probs -> update.
+    Returns this iteration's metrics (averaged over ranks) and a few sample completions."""
+    g, G = run.g, run.g.group_size
+    t_start = time.perf_counter()
+    # --- sample prompt groups, G completions each, scored by the verifier ------------------------
+    groups = sample_groups(run.policy, run.train_rows, (state.prompt_epoch, state.prompt_pos), g, verifier,
+                           run.generator, run.rank, run.world)
+    state.prompt_epoch, state.prompt_pos = groups.cursor
+    ro = groups.rollout
+    # --- group-relative advantages ----------------------------------------------------------------
+    adv = group_advantages(groups.rewards, G, norm=g.adv_norm)
+    # --- old and reference log-probs, without grad (responses start at ro.prompt_len) -------------
+    _sync(run.policy)
+    t_lp = time.perf_counter()
+    old_lp, ref_lp = old_and_ref_logprobs(run, ro.input_ids, ro.attention_mask, ro.prompt_len)
+    _sync(run.policy)
+    t_upd = time.perf_counter()
+    # --- the update: grpo_epochs passes over minibatches of whole groups --------------------------
+    lr = lr_at(state.iteration, state.total_iters, g.lr, g.warmup_iters, g.lr_schedule)
+    set_lr(run.optimizer, lr)
+    batch = Batch(ro.input_ids, ro.attention_mask, ro.response_mask, adv, old_lp, ref_lp, ro.prompt_len)
+    stats = update(run.policy, run.optimizer, g, batch, state, run.stage)
+    _sync(run.policy)
+    times = {**groups.times, "logprobs": t_lp, "update": t_upd, "start": t_start, "end": time.perf_counter()}
+    return iteration_metrics(run, state, groups, stats, lr, times), sample_rows(groups, G)
+
+
+# --------------------------------------------------------------------------- set-up
+
+def setup(cfg: Config, stage: str) -> GRPORun:
+    """Inputs checked and read; policy, reference, optimizer and sampling generator at iteration 0
+    (benchmarks call this, then `grpo_iteration`, with no logging or saving)."""
+    g: GRPOConfig = getattr(cfg, stage)
+    paths = StagePaths.of(stage)
+    rank, world = dist_utils.rank(), dist_utils.world_size()
+    if g.nproc > 1 and world == 1:
+        raise InputError(f"{stage}.nproc = {g.nproc} needs {g.nproc} processes: run the stage through "
+                         f"`python -m pipeline {stage}`, which starts them with torchrun")
+    if g.prompts_per_iter % world:
+        raise InputError(f"{stage}.prompts_per_iter = {g.prompts_per_iter} must be divisible by "
+                         f"{stage}.nproc = {world} (prompts are sharded by rank)")
+    for p in (paths.init, paths.reference):
+        if not (p / "config.json").is_file():
+            raise InputError(f"{p}: checkpoint not found (run the stage that writes it first)")
+    train_rows, eval_rows = read_rows(paths.train), read_rows(paths.eval)[: g.eval_samples]
+    torch.manual_seed(g.seed)
+    policy = load_policy(paths.init, device=cfg.model.device)
+    dist_utils.use_device(policy.device)  # NCCL collectives need tensors on the GPU
+    train_rows = fitting_rows(train_rows, policy, g.rollout_len, paths.train, stage)
+    eval_rows = fitting_rows(eval_rows, policy, g.rollout_len, paths.eval, stage)
+    policy.eval()  # GRPO runs the policy without dropout; eval() does not stop gradients
+    ref = load_policy(paths.reference, device=policy.device).frozen_copy() if g.kl_coef > 0 else None
+    if world > 1:
+        policy.runner = dist_utils.wrap_ddp(policy.module)
+    optimizer = build_optimizer(policy.module, g.lr, g.weight_decay)
+    # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
+    generator = torch.Generator(device=policy.device).manual_seed(g.seed * 1000 + rank)
+    return GRPORun(cfg, stage, g, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world)
+
+
+def compatibility_key(run: GRPORun) -> str:
+    """The resume key: a resume state from other params, weights or data is ignored."""
+    params = {"stage": dataclasses.asdict(run.g), "model": dataclasses.asdict(run.cfg.model),
+              "template": run.cfg.data.prompt_template}
+    p = run.paths
+    weights = sorted(p.init.glob("*.safetensors")) + sorted(p.reference.glob("*.safetensors"))
+    return resume_key(params, [*weights, p.train, p.eval])
+
+
+# --------------------------------------------------------------------------- log-probs and update
+
+@dataclass
+class Batch:
+    """The tensors of one update: (N, T) ids and masks, (N,) advantages, (N, T) old/ref log-probs
+    (old None: the policy has not moved since sampling), `start` the first response column."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    start: int = 1
+
+
+def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, start: int):
+    """(old, ref) per-token log-probs under inference mode; either may be None (see `Batch`)."""
+    g, G = run.g, run.g.group_size
+    single_step = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter // run.world)
+    with torch.inference_mode():
+        # One optimizer step per iteration: the policy has not moved since sampling, so
+        # old = new.detach() exactly (TRL does the same); otherwise recompute under no grad.
+        old = None if single_step else compute_logprobs(run.policy, ids, attn, g.temperature, start=start,
+                                                        group_size=G)
+        ref = (compute_logprobs(run.ref, ids, attn, g.temperature, start=start, group_size=G)
+               if run.ref is not None else None)
+    return old, ref
+
+
+def update(policy: Policy, optimizer: torch.optim.Optimizer, g: GRPOConfig, batch: Batch, state: TrainState,
+           stage: str) -> dict[str, float]:
+    """`grpo_epochs` passes over minibatches of whole groups; non-finite steps are skipped and
+    counted (pipeline.training). Returns the mean of each loss statistic over the steps taken."""
+    G, n = g.group_size, batch.input_ids.shape[0]
+    mb = (g.minibatch_groups or n // G) * G
+    acc: dict[str, list[torch.Tensor]] = {}
+    for _ in range(g.grpo_epochs):
+        for s in range(0, n, mb):
+            sl = slice(s, s + mb)
+            new_lp = compute_logprobs(policy, batch.input_ids[sl], batch.attention_mask[sl], g.temperature,
+                                      start=batch.start, group_size=G)
+            old = new_lp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
+            ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
+            resp = batch.response_mask[sl]
+            loss, st = grpo_loss(new_lp, old, ref, batch.advantages[sl], resp, clip=g.clip, kl_coef=g.kl_coef,
+                                 clip_high=g.clip_high or None, loss_agg=g.loss_agg, importance=g.importance,
+                                 max_len=g.rollout_len)
+            # DDP averages gradients over ranks; weight each rank's loss by its share of the
+            # global normaliser so the update equals one process on the whole batch.
+            loss = loss * dist_utils.loss_weight(resp, g.loss_agg)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = step_if_finite(optimizer, policy.module.parameters(), g.grad_clip, loss)
+            count_nonfinite(state, norm is not None, g.max_nonfinite, stage, f"iteration {state.iteration + 1}",
+                            Path(CHECKPOINT_DIR) / f"{stage}.resume")
+            if norm is not None:
+                for k, v in {**st, "loss": loss.detach(), "grad_norm": norm}.items():
+                    acc.setdefault(k, []).append(v)
+    if not acc:
+        return {"kl": float("nan"), "clipfrac": float("nan"), "loss": float("nan"), "grad_norm": float("nan")}
+    return {k: sum(float(x) for x in v) / len(v) for k, v in acc.items()}  # host syncs here, once per value
+
+
+def _sync(policy: Policy) -> None:
+    """Wait for queued CUDA work, so that the phase timings are the phases' own (no-op on CPU)."""
+    if policy.device.type == "cuda":
+        torch.cuda.synchronize(policy.device)
+
+
+# --------------------------------------------------------------------------- metrics, curriculum, output
+
+def iteration_metrics(run: GRPORun, state: TrainState, groups: Groups, stats: dict[str, float], lr: float,
+                      times: dict[str, float]) -> dict[str, Any]:
+    """The iteration's figures, averaged (or summed, then divided) over ranks."""
+    G, ro, rewards, sampled = run.g.group_size, groups.rollout, groups.rewards, groups.sampled
+    resp_f = ro.response_mask.float()
+    lengths = resp_f.sum(1)
+    n_tok = float(lengths.sum().item())
+    # entropy estimate: mean negative log-prob of the sampled tokens (unbiased at temperature 1)
+    entropy = -(ro.logprobs * resp_f).sum().item() / max(n_tok, 1.0)
+    local = {
+        "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
+        "informative": informative_fraction(rewards, G),
+        "response_len": lengths.mean().item(), "truncated": ro.truncated.float().mean().item(),
+        "entropy": entropy, **stats,
+    }
+    metrics = dist_utils.mean_across_ranks(local)
+    # every group rolled out this iteration, the dropped ones included: the policy's own reward and
+    # informative fraction (with dynamic sampling, `reward`/`informative` describe the kept batch only)
+    n_groups = sampled.shape[0]
+    r_sum, r_n, inf_n, n_groups, dropped = dist_utils.sum_across_ranks([
+        sampled.sum().item(), sampled.numel(), informative_fraction(sampled.view(-1), G) * n_groups, n_groups,
+        groups.dropped])
+    metrics.update({
+        "reward_sampled": r_sum / max(r_n, 1.0), "informative_sampled": inf_n / max(n_groups, 1.0),
+        "lr": lr, "dropped_groups": int(dropped), "skipped_steps": state.skipped,
+        "tokens_per_s": n_tok * run.world / max(times["end"] - times["start"], 1e-9),
+        "time_rollout": times["rollout"], "time_scoring": times["scoring"],
+        "time_logprobs": times["update"] - times["logprobs"], "time_update": times["end"] - times["update"],
+    })
+    return metrics
+
+
+def sample_rows(groups: Groups, G: int) -> list[dict[str, Any]]:
+    """The first completion of the first three groups, for the tracker's samples table."""
+    ro, rows = groups.rollout, groups.rows
+    return [{"prompt": rows[i // G]["question"][:200], "completion": ro.texts[i],
+             "reward": groups.rewards[i].item(), "gold": rows[i // G]["gold"]}
+            for i in range(0, min(len(ro.texts), 3 * G), G)]
+
+
+def adapt_curriculum(g: GRPOConfig, state: TrainState, metrics: dict[str, Any]) -> None:
+    """Adaptive curriculum (warmup only): leave early, or stay longer while groups are uninformative."""
+    if not isinstance(g, WarmupConfig) or not g.adaptive:
+        return
+    acc, it = metrics.get("accuracy"), state.iteration
+    decision = None
+    if acc is not None and metrics["reward"] >= g.exit_reward and acc >= g.exit_accuracy:
+        if it < state.total_iters:
+            decision = (f"iteration {it}: reward {metrics['reward']:.3f} and accuracy {acc:.3f} "
+                        f"passed the thresholds; leaving the warmup early")
+            state.total_iters = it
+    elif (it == state.total_iters and metrics["informative"] < g.min_informative
+          and state.total_iters < g.iterations + g.max_extra_iters):
+        state.total_iters += 1
+        decision = (f"iteration {it}: informative {metrics['informative']:.2f} < {g.min_informative}; "
+                    f"extending the warmup by one iteration")
+    if decision:
+        state.adaptive_log.append(decision)
+        log.info("warmup: %s", decision)
+
+
+def progress_info(metrics: dict[str, Any], dynamic_sampling: bool) -> str:
+    """The policy's reward and informative fraction over every group rolled out; with dynamic
+    sampling also the kept batch's (filtered towards informative groups)."""
+    kept = f" (kept {metrics['reward']:.3f} / {metrics['informative']:.2f})" if dynamic_sampling else ""
+    acc = f"  acc {metrics['accuracy']:.3f}" if metrics.get("accuracy") is not None else ""
+    return (f"reward {metrics['reward_sampled']:.3f}  inf {metrics['informative_sampled']:.2f}{kept}"
+            f"  kl {metrics['kl']:.4f}{acc}")
+
+
+def log_iteration(tracker: Logger, stage: str, state: TrainState, metrics: dict[str, Any],
+                  samples: list[dict[str, Any]], info: str) -> None:
+    it = state.iteration
+    tracker.log_metrics({f"train/{k}": v for k, v in metrics.items() if v is not None}, step=it)
+    if samples:  # one table per stage, appended to (MLflow caps the number of table names)
+        tracker.log_table([{"iteration": it, **s} for s in samples], f"samples/{stage}.json")
+    log.info("%s %d/%d  %s", stage, it, state.total_iters, info)
+
+
+def finish(run: GRPORun, state: TrainState, tracker: Logger) -> dict[str, Any]:
+    """Write the final checkpoint and series (rank 0), drop the resume states; the stage's summary."""
+    series = state.series
+    accs = [r["accuracy"] for r in series if r.get("accuracy") is not None]
+    summary = {
+        "checkpoint": str(run.paths.out), "iterations": state.iteration,
+        "reward_first": series[0].get("reward") if series else None,
+        "reward_last": series[-1].get("reward") if series else None,
+        "accuracy_last": accs[-1] if accs else None, "skipped_steps": state.skipped,
+        "adaptive": state.adaptive_log,
+    }
+    if run.rank == 0:
+        write_series_csv(run.paths.csv, series, CSV_COLUMNS)
+        save_policy(run.paths.out, run.policy, extra_state={"stage": run.stage, "summary": summary})
+        tracker.log_artifact(run.paths.csv)
+        shutil.rmtree(run.paths.resume, ignore_errors=True)
+    return summary
