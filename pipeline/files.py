@@ -1,13 +1,30 @@
 """The pipeline's file formats: atomic writes (a temporary file beside the target, fsync, rename:
 a crash or an exception mid-write leaves the previous file intact and no partial file behind), the
-one JSONL reader of prepared data (`read_rows`) and the one file hash (`sha256`)."""
+one JSONL reader of prepared data (`read_rows`: bounded line size, strict UTF-8, every row checked
+against the processed schema) and the one file hash (`sha256`).
+
+A stage's outputs as one unit (all new or all old, never a mix):
+- `replaced_dir(target)`: the stage writes a whole folder (prepare's `data/`) into a temporary
+  folder beside it, which is then swapped in with one atomic `renameat2(RENAME_EXCHANGE)` (two
+  renames where the kernel lacks it: a kill between them leaves no folder, never a mixed one).
+  Files in the old folder that the stage does not write are carried over as hard links.
+- `staged_outputs(name)`: files spread over several folders (evaluate's reports, plots, metrics)
+  are written under `.staging-<name>/`, then a journal is written and the files renamed into
+  place; a run killed after the journal is rolled forward by the next `recover_outputs(name)`,
+  one killed before it leaves the old files untouched.
+"""
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,31 +40,66 @@ def sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+MAX_LINE_BYTES = 64 * 1024  # a prepared row is a few kB; longer lines are not rows this pipeline wrote
+
+
+def text_lines(path: str | Path, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line, read with a bounded buffer (memory stays small whatever the
+    file holds); a line over `max_bytes`, or one that is not UTF-8, raises InputError naming it. A
+    UTF-8 byte-order mark at the start is dropped."""
+    path = Path(path)
+    with path.open("rb") as f:
+        lineno = 0
+        while line := f.readline(max_bytes + 1):
+            lineno += 1
+            if len(line) > max_bytes and not line.endswith(b"\n"):
+                raise InputError(f"{path}:{lineno}: a row of more than {max_bytes} bytes; GSM8K rows "
+                                 "are under 2 kB (is this the right file?)")
+            if lineno == 1 and line.startswith(codecs.BOM_UTF8):
+                line = line[len(codecs.BOM_UTF8):]
+            try:
+                yield lineno, line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{path}:{lineno}: not UTF-8 text (byte {line[exc.start]:#04x} at column "
+                                 f"{exc.start + 1}); convert the file first, e.g. iconv -f latin1 -t utf-8") from None
+
+
 def read_rows(path: str | Path, limit: int = 0) -> list[dict[str, Any]]:
     """The first `limit` rows (0 = all) of a prepared JSONL file, in file order; blank lines skipped.
 
-    A missing file or a line that is not a JSON object raises :class:`InputError` naming the file
-    (and line) and the stage that writes it.
+    A missing file, a line that is not a JSON object, or a row without the processed schema
+    (`pipeline.data.schema`: a finite `gold`, a known `source`, text fields) raises
+    :class:`InputError` naming the file and line and the stage that writes it.
     """
+    from pipeline.data.schema import check_prepared_row
+
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: not found (run the 'prepare' stage first)")
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{lineno}: invalid JSON ({exc.msg}); re-run the 'prepare' stage") from None
-            if not isinstance(row, dict):
-                raise InputError(f"{path}:{lineno}: expected a JSON object per line; re-run the 'prepare' stage")
-            rows.append(row)
-            if limit and len(rows) >= limit:
-                break
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise InputError(f"{path}:{lineno}: invalid JSON ({getattr(exc, 'msg', exc)}); "
+                             "re-run the 'prepare' stage") from None
+        rows.append(check_prepared_row(row, f"{path}:{lineno}"))
+        if limit and len(rows) >= limit:
+            break
     return rows
 
+
+def ensure_dir(folder: str | Path) -> Path:
+    """`folder` (created with its parents); an InputError if it or a parent is a regular file."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [folder, *folder.parents] if p.exists() and not p.is_dir()), folder)
+        raise InputError(f"{blocker}: is a file where a folder is needed for {folder}/; move it away") from None
+    return folder
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
     """Call `write(f)` on a temporary file beside `path`, fsync, then rename over `path`.
@@ -55,7 +107,9 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
     If `write` raises, the temporary file is removed and any previous `path` is left untouched.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path.parent)
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder where a file is written; move it away")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -92,3 +146,135 @@ def write_series_csv(path: str | Path, rows: Iterable[Mapping[str, Any]], column
 
     lines = [",".join(columns)] + [",".join(cell(r.get(c)) for c in columns) for r in rows]
     return write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
+
+
+# --------------------------------------------------------------------------- whole-output swaps
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2); False where the kernel or filesystem cannot."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """`src` recreated at `dst` with hard links (symlinks copied as links): no data copied."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+    else:
+        os.link(src, dst)
+
+
+def _remove_stale(parent: Path, prefix: str) -> None:
+    """Temporary folders left by killed runs (their pid is gone)."""
+    for p in parent.glob(f"{prefix}*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(p, ignore_errors=True)
+            except PermissionError:
+                pass
+
+
+@contextlib.contextmanager
+def replaced_dir(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `target`; on success it becomes `target` in one swap."""
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise InputError(f"{target}: is a file where the stage writes the folder {target}/; move it away")
+    parent = ensure_dir(target.absolute().parent)
+    prefix = f".{target.name}.tmp-"
+    _remove_stale(parent, prefix)
+    tmp = parent / f"{prefix}{os.getpid()}-{os.urandom(3).hex()}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _swap_in(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    if not target.exists():
+        os.rename(tmp, target)
+        return
+    for entry in target.iterdir():  # what the stage does not write stays
+        if not (tmp / entry.name).exists() and not entry.name.startswith(f".{target.name}.tmp-"):
+            _link_tree(entry, tmp / entry.name)
+    _fsync_dir(tmp)
+    if _exchange(tmp, target):
+        shutil.rmtree(tmp)  # now the old folder
+        return
+    old = tmp.with_name(tmp.name + "-old")
+    os.rename(target, old)
+    os.rename(tmp, target)
+    shutil.rmtree(old)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _staging(name: str) -> Path:
+    return Path(f".staging-{name}")
+
+
+def recover_outputs(name: str) -> None:
+    """Finish a publish of `staged_outputs(name)` that a kill interrupted, or drop an unfinished staging."""
+    staging = _staging(name)
+    journal = staging / "journal.json"
+    if journal.is_file():
+        _roll_forward(journal)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _roll_forward(journal: Path) -> None:
+    for src, dst in json.loads(journal.read_text()):
+        if Path(src).exists():
+            ensure_dir(Path(dst).parent)
+            os.replace(src, dst)
+    journal.unlink()
+
+
+@contextlib.contextmanager
+def staged_outputs(name: str) -> Iterator[Callable[[str | Path], Path]]:
+    """Yield `stage(path) -> temporary path`; files written there appear at their `path`s together."""
+    recover_outputs(name)
+    staging = ensure_dir(_staging(name))
+    moves: dict[Path, Path] = {}
+
+    def stage(path: str | Path) -> Path:
+        staged = staging / "files" / str(len(moves)) / Path(path).name
+        ensure_dir(staged.parent)
+        moves[staged] = Path(path)
+        return staged
+
+    try:
+        yield stage
+        for dst in moves.values():  # refuse before anything moves: a file where a folder goes
+            ensure_dir(dst.parent)
+        write_json_atomic(staging / "journal.json", [[str(s), str(d)] for s, d in moves.items() if s.exists()])
+        _roll_forward(staging / "journal.json")
+    finally:
+        if not (staging / "journal.json").exists():  # a journal left by an error is finished by recover
+            shutil.rmtree(staging, ignore_errors=True)

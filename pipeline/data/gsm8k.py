@@ -14,8 +14,14 @@ Sources (`data.gsm8k_source`):
 
 JSONL is read line by line with `json` (not `datasets`, whose JSON reader rejects a whole file on one
 bad line and loses line numbers), so every malformed row is reported as `file:line: reason`; Parquet
-goes through `datasets.Dataset.from_parquet` (in memory, no cache files) and is located as
-`file:row N`. Blank JSONL lines are skipped.
+goes through `pyarrow.parquet` (in memory, no cache files; an empty file with the right schema is an
+empty split) and is located as `file:row N`. Blank JSONL lines are skipped, a UTF-8 byte-order mark is
+dropped.
+
+Limits (memory stays bounded whatever the file holds): a file over MAX_FILE_BYTES, a line over
+MAX_ROW_BYTES or a line that is not UTF-8 (say, a Latin-1 export) stops the stage with one line naming
+`file:line`; a question or answer over MAX_TEXT_CHARS, or one holding a lone surrogate, is a malformed
+row (counted against `data.max_bad_fraction`).
 
 A valid row has a non-empty `question` and an `answer` whose text after the last `####` is one number:
 an optional minus sign, digits with optional thousands commas (`1,234`), optional decimals.
@@ -35,9 +41,13 @@ from urllib.parse import urlparse
 
 from pipeline.data.prompts import format_answer, format_prompt
 from pipeline.errors import InputError
+from pipeline.files import text_lines
 
 SPLITS = ("train", "test")
 _NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+MAX_ROW_BYTES = 64 * 1024  # one GSM8K row is under 2 kB; a longer line is not a GSM8K row
+MAX_FILE_BYTES = 256 * 1024 * 1024
+MAX_TEXT_CHARS = 16 * 1024  # a question or answer longer than this is refused (Parquet has no lines to cap)
 _CALC_RE = re.compile(r"<<[^<>]*>>")
 _LOCAL_HINT = ("point at a local copy with --set data.gsm8k_source=/path/to/gsm8k "
                "(a folder with train.jsonl and test.jsonl, or .parquet)")
@@ -82,6 +92,17 @@ def rewrite_solution(answer: str) -> str:
     return f"{reasoning}\n{format_answer(gold)}" if reasoning else format_answer(gold)
 
 
+def _check_text(name: str, text: str) -> None:
+    """ValueError if a field is too long or not encodable text (a lone surrogate such as `\\ud800`)."""
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"'{name}' is {len(text)} characters; at most {MAX_TEXT_CHARS}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"'{name}' holds a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+                         f"{exc.start + 1}; not valid Unicode text") from None
+
+
 def make_row(raw: RawRow, split: str, template: str) -> dict[str, Any]:
     """A processed row (docs/architecture.md schema); ValueError names what is malformed."""
     data = raw.data
@@ -94,6 +115,8 @@ def make_row(raw: RawRow, split: str, template: str) -> dict[str, Any]:
         raise ValueError("missing or empty 'question'")
     if not isinstance(answer, str):
         raise ValueError("missing or non-text 'answer'")
+    for name, text in (("question", question), ("answer", answer)):
+        _check_text(name, text)
     gold = parse_gold(answer)
     return {"id": f"gsm8k-{split}-{raw.index:05d}", "source": "gsm8k", "question": question.strip(),
             "prompt": format_prompt(question, template), "gold": gold,
@@ -122,35 +145,43 @@ def validate_split(raws: list[RawRow], split: str, template: str, max_bad_fracti
 
 # --------------------------------------------------------------------------- sources
 
+def _check_file_size(path: Path) -> None:
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise InputError(f"{path}: {size} bytes is more than a GSM8K split can be (at most {MAX_FILE_BYTES} bytes; "
+                         "GSM8K train is ~4 MB); is this the right file?")
+
+
 def read_jsonl(path: Path) -> list[RawRow]:
+    _check_file_size(path)
     rows = []
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            loc = f"{path}:{lineno}"
-            try:
-                rows.append(RawRow(len(rows), loc, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                rows.append(RawRow(len(rows), loc, None, f"invalid JSON ({exc.msg})"))
+    for lineno, line in text_lines(path, MAX_ROW_BYTES):
+        if not line.strip():
+            continue
+        loc = f"{path}:{lineno}"
+        try:
+            rows.append(RawRow(len(rows), loc, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            rows.append(RawRow(len(rows), loc, None, f"invalid JSON ({exc.msg})"))
+        except RecursionError:
+            rows.append(RawRow(len(rows), loc, None, "invalid JSON (nested too deeply)"))
     return rows
 
 
 def read_parquet(paths: list[Path]) -> list[RawRow]:
-    import datasets
+    """The question/answer columns of Parquet files (pyarrow, in memory, no cache files)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     rows = []
     for path in paths:
-        quiet = datasets.utils.are_progress_bars_disabled()
-        datasets.disable_progress_bars()
+        _check_file_size(path)
         try:
-            table = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
-        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
-        finally:
-            if not quiet:
-                datasets.enable_progress_bars()
-        for i, rec in enumerate(table.to_list()):
+            table = pq.read_table(path, columns=[c for c in ("question", "answer")
+                                                 if c in pq.read_schema(path).names])
+        except (OSError, ValueError, pa.ArrowException) as exc:  # ArrowInvalid is a ValueError
+            raise InputError(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0][:160]})") from None
+        for i, rec in enumerate(table.to_pylist()):
             rows.append(RawRow(len(rows), f"{path}:row {i + 1}", rec))
     return rows
 

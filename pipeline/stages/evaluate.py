@@ -105,6 +105,7 @@ def _progress():
 def run_evaluate(cfg: Config) -> dict[str, Any]:
     """Evaluate every configured checkpoint; write metrics, predictions and plots; return paths and metrics."""
     e = cfg.evaluate
+    files.recover_outputs("evaluate")  # a publish a kill interrupted is finished first
     data = {"gsm8k": load_rows(Path(DATA_DIR) / TASK_FILES["gsm8k"], e.gsm8k_limit),
             "arith": load_rows(Path(DATA_DIR) / TASK_FILES["arith"], e.arith_limit)}
     stages = list(dict.fromkeys(e.stages))
@@ -148,18 +149,22 @@ def _evaluate_all(cfg: Config, data: dict[str, list[dict[str, Any]]], folders: d
 
 
 def _write_outputs(metrics: dict, predictions: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Path]:
+    """Every output written under a staging folder, then moved into place together (files.staged_outputs)."""
     import pandas as pd
 
     written: dict[str, Path] = {}
-    for (stage, task), preds in predictions.items():
-        path = Path(REPORTS_DIR) / f"predictions_{stage}_{task}.csv"
-        written[f"predictions_{stage}_{task}"] = files.write_csv_atomic(path, pd.DataFrame(preds))
-    written["accuracy_csv"] = files.write_csv_atomic(Path(PLOTS_DIR) / "accuracy.csv", ev.accuracy_table(metrics))
-    written["accuracy_png"] = ev.plot_accuracy(metrics, Path(PLOTS_DIR) / "accuracy.png")
-    written["training_curves_png"] = ev.plot_training_curves(
-        {s: Path(PLOTS_DIR) / f"{s}.csv" for s in TRAINING_CSVS}, Path(PLOTS_DIR) / "training_curves.png")
-    # the metrics file last: its presence means everything above is complete
-    written["eval_json"] = files.write_json_atomic(Path(METRICS_DIR) / "eval.json", metrics)
+    with files.staged_outputs("evaluate") as stage:
+        for (stage_name, task), preds in predictions.items():
+            path = written[f"predictions_{stage_name}_{task}"] = Path(REPORTS_DIR) / f"predictions_{stage_name}_{task}.csv"
+            files.write_csv_atomic(stage(path), pd.DataFrame(preds))
+        path = written["accuracy_csv"] = Path(PLOTS_DIR) / "accuracy.csv"
+        files.write_csv_atomic(stage(path), ev.accuracy_table(metrics))
+        path = written["accuracy_png"] = Path(PLOTS_DIR) / "accuracy.png"
+        ev.plot_accuracy(metrics, stage(path))
+        path = written["training_curves_png"] = Path(PLOTS_DIR) / "training_curves.png"
+        ev.plot_training_curves({s: Path(PLOTS_DIR) / f"{s}.csv" for s in TRAINING_CSVS}, stage(path))
+        path = written["eval_json"] = Path(METRICS_DIR) / "eval.json"
+        files.write_json_atomic(stage(path), metrics)
     return written
 
 

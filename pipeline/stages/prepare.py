@@ -1,6 +1,7 @@
 """prepare: GSM8K (validated, converted, train/val/test) + the arithmetic curriculum + the tokenizer.
 
-Writes under `data/` (each file atomically; same inputs and seed -> byte-identical files):
+Writes `data/` as one unit (built beside it, then swapped in: a killed run leaves the old folder
+whole, never new splits beside an old stats.json; same inputs and seed -> byte-identical files):
   gsm8k_train.jsonl  gsm8k_val.jsonl  gsm8k_test.jsonl  arith_train.jsonl  arith_eval.jsonl
   tokenizer.json     stats.json
 Rows follow the schema of docs/architecture.md. `val_size` GSM8K train rows are held out (seeded)
@@ -22,7 +23,7 @@ from pipeline.data.arithmetic import generate_curriculum
 from pipeline.data.gsm8k import BadRow, load_raw, validate_split
 from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
-from pipeline.files import write_bytes_atomic, write_json_atomic
+from pipeline.files import replaced_dir, write_bytes_atomic, write_json_atomic
 from pipeline.tokenizer import TOKENIZER_FILE, train_tokenizer
 from pipeline.tracking import stage_logger
 
@@ -109,10 +110,22 @@ def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     corpus = [t for r in gsm_train + arith_train for t in (r["prompt"], response_text(r["solution"]))]
     tok = train_tokenizer(corpus, d.vocab_size)
 
-    paths = {name: str(write_jsonl(out / f"{name}.jsonl", rows)) for name, rows in splits.items()}
-    paths["tokenizer"] = str(tok.save(out))
-    assert paths["tokenizer"].endswith(TOKENIZER_FILE)
-    stats = {
+    stats = _stats(d, raw, splits, bad_train, bad_test, tok)
+    with replaced_dir(out) as tmp:  # all of data/ appears at once, or the old one stays
+        for name, rows in splits.items():
+            write_jsonl(tmp / f"{name}.jsonl", rows)
+        tok.save(tmp)
+        write_json_atomic(tmp / "stats.json", stats)
+    paths = {name: str(out / f"{name}.jsonl") for name in splits}
+    paths["tokenizer"], paths["stats"] = str(out / TOKENIZER_FILE), str(out / "stats.json")
+    return {"outputs": paths, "counts": stats["counts"], "rejected": len(bad)}, stats
+
+
+def _stats(d, raw, splits, bad_train: list[BadRow], bad_test: list[BadRow], tok) -> dict[str, Any]:
+    """The content of data/stats.json."""
+    bad = bad_train + bad_test
+    arith_train = splits["arith_train"]
+    return {
         "source": d.gsm8k_source,
         "counts": {name: len(rows) for name, rows in splits.items()},
         "gsm8k_rows_read": {"train": len(raw["train"]), "test": len(raw["test"])},
@@ -123,5 +136,3 @@ def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         "vocab_size": tok.vocab_size,
         "token_lengths": {name: token_stats(tok, rows) for name, rows in splits.items()},
     }
-    paths["stats"] = str(write_json_atomic(out / "stats.json", stats))
-    return {"outputs": paths, "counts": stats["counts"], "rejected": len(bad)}, stats

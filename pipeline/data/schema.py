@@ -1,0 +1,41 @@
+"""The processed row schema (docs/architecture.md), checked where a later stage reads prepared data.
+
+A row that prepare could not have written (missing or non-numeric `gold`, an unknown `source`, a
+non-text `prompt`) means the file was edited or comes from elsewhere: the reader stops with one line
+naming `file:line` instead of failing later inside training or scoring.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pipeline.errors import InputError
+from pipeline.rewards.verifiers import REWARDS
+
+
+def check_prepared_row(row: Any, location: str) -> dict[str, Any]:
+    """`row` if it has the processed schema's fields with the right types; InputError otherwise."""
+    if not isinstance(row, dict):
+        raise InputError(f"{location}: expected a JSON object, got {type(row).__name__}; rerun the prepare stage")
+    problem = _problem(row)
+    if problem:
+        raise InputError(f"{location}: {problem}; rows are written by the prepare stage (rerun it)")
+    return row
+
+
+def _problem(row: dict[str, Any]) -> str:
+    gold = row.get("gold")
+    if "gold" not in row:
+        return "missing 'gold'"
+    if isinstance(gold, bool) or not isinstance(gold, (int, float)) or not math.isfinite(gold):
+        return f"'gold' = {gold!r} is not a finite number"
+    source = row.get("source")
+    if source not in REWARDS:
+        return f"unknown 'source' {source!r}; known: {', '.join(REWARDS)}"
+    for key in ("prompt", "question", "solution"):
+        if not isinstance(row.get(key), str):
+            return f"missing or non-text '{key}'"
+    if not isinstance(row.get("id"), str):
+        return "missing or non-text 'id'"
+    return ""
