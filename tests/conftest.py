@@ -1,18 +1,29 @@
-"""Small real fakes shared by the tests: a tiny BPE tokenizer, tiny policies of every backend.
+"""What the tests share: small real fakes (a tiny BPE tokenizer, tiny policies of every backend),
+the committed GSM8K fixture, and a temporary copy of the repository for DVC/Prefect runs.
 
-Nothing here downloads: HF models are built from a config and saved to a temporary folder.
+Nothing here downloads: GSM8K comes from tests/fixtures/gsm8k, HF models are built from a config
+and saved to a temporary folder. Test modules import these helpers from here, never from each other.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("DO_NOT_TRACK", "true")
+REPO = Path(__file__).resolve().parents[1]
+# 80 train and 30 test rows of GSM8K (MIT; LICENSE beside them): every test that needs GSM8K reads these
+GSM8K = REPO / "tests" / "fixtures" / "gsm8k"
+QUIET_ENV = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+             "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+GIT_ENV = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@localhost", "GIT_COMMITTER_NAME": "test",
+           "GIT_COMMITTER_EMAIL": "test@localhost"}
+os.environ.update(QUIET_ENV)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -111,3 +122,66 @@ def any_policy(request, tiny_tokenizer, hf_dirs):
         return build_policy(tiny_model_config(positions="learned"), tiny_tokenizer)
     kind = request.param.split("-")[1]
     return build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
+
+
+# --------------------------------------------------------------------------- a copy of the repo for DVC / Prefect
+
+def copy_repo(dst: Path, git: bool = True) -> Path:
+    """The repo's tracked (and not ignored) files, without .ci/ and tests/, copied into `dst`, with
+    the smoke config written out in full as params.yaml and GSM8K read from the fixture; with `git`,
+    `dst` becomes a fresh git repo of one commit."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        src = REPO / rel
+        if src.is_file() and not rel.startswith((".ci/", "tests/")):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    # written out in full: DVC tracks (and `dvc exp run -S` can set) only keys present in the file
+    from pipeline.config import dump_config, load_config
+
+    smoke = load_config(REPO / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}"])
+    (dst / "params.yaml").write_text(dump_config(smoke))
+    if git:
+        env = {**os.environ, **GIT_ENV}
+        for cmd in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
+            subprocess.run(cmd, cwd=dst, check=True, env=env)
+    return dst
+
+
+def output_files(root: Path) -> set[str]:
+    """Pipeline outputs (relative paths), the set a flow run and `dvc repro` must agree on."""
+    out = set()
+    for top in ("data", "checkpoints", "metrics", "plots", "reports"):
+        out |= {str(p.relative_to(root)) for p in (root / top).rglob("*") if p.is_file()} if (root / top).exists() else set()
+    return {p for p in out if ".resume" not in p and not p.endswith(".gitignore")}
+
+
+def smoke_outputs() -> set[str]:
+    """Every file the smoke pipeline writes (docs/architecture.md), whichever orchestrator runs it."""
+    files = {f"data/{n}" for n in ("gsm8k_train.jsonl", "gsm8k_val.jsonl", "gsm8k_test.jsonl", "arith_train.jsonl",
+                                   "arith_eval.jsonl", "tokenizer.json", "stats.json")}
+    files |= {f"checkpoints/{s}/{n}" for s in ("sft", "warmup", "grpo")
+              for n in ("config.json", "manifest.json", "model.safetensors", "state.json", "tokenizer.json")}
+    files |= {f"plots/{n}" for n in ("sft.csv", "warmup.csv", "grpo.csv", "accuracy.csv", "accuracy.png",
+                                     "training_curves.png")}
+    files |= {f"reports/predictions_{s}_{t}.csv" for s in ("sft", "warmup", "grpo") for t in ("gsm8k", "arith")}
+    return files | {"metrics/eval.json"}
+
+
+def task_runs_of(flow_run_id, expect=(), timeout: float = 60.0):
+    """The flow run's task runs, once the API holds a final state for each (and a run of every task
+    named in `expect`): task-run states reach the API as events, so right after the flow returns a
+    run can still be missing, or its state None or not final."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            names = {r.name.rsplit("-", 1)[0] for r in runs}  # task run names are "<task>-<n>"
+            settled = all(r.state is not None and r.state.is_final() for r in runs) and set(expect) <= names
+            if settled or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.5)

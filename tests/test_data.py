@@ -22,8 +22,8 @@ from pipeline.data import gsm8k as gs
 from pipeline.data.prompts import format_number, format_prompt
 from pipeline.errors import InputError
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+from tests.conftest import GSM8K, REPO
+
 TEMPLATE = "Q: {question}\nA:"
 
 GOOD = [
@@ -295,29 +295,25 @@ def test_curriculum_refuses_an_impossible_held_out_size():
 
 # --------------------------------------------------------------------------- the stage
 
-needs_shared = pytest.mark.skipif(not SHARED_GSM8K.is_dir(), reason="needs ../shared/data/gsm8k next to the repo")
-
-
-@needs_shared
-def test_the_real_gsm8k_is_clean():
-    raw = gs.load_raw(str(SHARED_GSM8K))
-    for split, n in (("train", 7473), ("test", 1319)):
-        rows, bad = gs.validate_split(raw[split], split, TEMPLATE, 0.0, str(SHARED_GSM8K))
+def test_the_gsm8k_fixture_is_real_and_clean():
+    """The fixture is the head of the real dataset: every row passes validation, and the known first
+    rows are there (so the tests exercise real GSM8K text, not hand-written look-alikes)."""
+    raw = gs.load_raw(str(GSM8K))
+    for split, n in (("train", 80), ("test", 30)):
+        rows, bad = gs.validate_split(raw[split], split, TEMPLATE, 0.0, str(GSM8K))
         assert len(rows) == n and not bad
+    assert raw["train"][0].data["question"].startswith("Natalia sold clips to 48 of her friends")
+    assert raw["test"][0].data["answer"].endswith("#### 18")
+    assert "MIT License" in (GSM8K / "LICENSE").read_text()
 
 
-@needs_shared
 def test_run_prepare_end_to_end_is_deterministic(tmp_path, monkeypatch):
     from pipeline.stages.prepare import SPLIT_FILES, run_prepare
 
     monkeypatch.chdir(tmp_path)
-    for split, n in (("train", 300), ("test", 40)):  # a slice of the real data keeps this fast
-        lines = (SHARED_GSM8K / f"{split}.jsonl").read_text().splitlines(keepends=True)[:n]
-        (tmp_path / "src").mkdir(exist_ok=True)
-        (tmp_path / "src" / f"{split}.jsonl").write_text("".join(lines))
-    cfg = load_config(REPO / "configs" / "smoke.yaml", ["data.gsm8k_source=src"])
+    cfg = load_config(REPO / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}"])
     out = run_prepare(cfg)
-    assert out["counts"] == {"gsm8k_train": 300 - 20, "gsm8k_val": 20, "gsm8k_test": 40,
+    assert out["counts"] == {"gsm8k_train": 80 - 20, "gsm8k_val": 20, "gsm8k_test": 30,
                              "arith_train": 400, "arith_eval": 16}
     assert out["rejected"] == 0
     files = sorted(Path("data").iterdir())

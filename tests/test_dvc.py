@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import STAGES, Config
-from tests.test_flows import QUIET_ENV, REPO, copy_repo, output_files, smoke_outputs
+from tests.conftest import QUIET_ENV, REPO, copy_repo, output_files, smoke_outputs
 
 BIN = Path(sys.executable).parent
 DVC_ENV = {**os.environ, **QUIET_ENV, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",

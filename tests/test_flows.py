@@ -13,61 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import copy_repo as bench_copy_repo
 from pipeline.config import STAGES
-
-REPO = Path(__file__).resolve().parents[1]
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-QUIET_ENV = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-             "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-os.environ.update(QUIET_ENV)
-
-
-# --------------------------------------------------------------------------- helpers shared with other tests
-
-def copy_repo(dst: Path, git: bool = True) -> Path:
-    """The repo as a smoke-config project in `dst` (bench.common.copy_repo), GSM8K from ../shared."""
-    return bench_copy_repo(dst, GSM8K, git)
-
-
-def output_files(root: Path) -> set[str]:
-    """Pipeline outputs (relative paths), the set a flow run and `dvc repro` must agree on."""
-    out = set()
-    for top in ("data", "checkpoints", "metrics", "plots", "reports"):
-        out |= {str(p.relative_to(root)) for p in (root / top).rglob("*") if p.is_file()} if (root / top).exists() else set()
-    return {p for p in out if ".resume" not in p and not p.endswith(".gitignore")}
-
-
-def smoke_outputs() -> set[str]:
-    """Every file the smoke pipeline writes (docs/architecture.md), whichever orchestrator runs it."""
-    files = {f"data/{n}" for n in ("gsm8k_train.jsonl", "gsm8k_val.jsonl", "gsm8k_test.jsonl", "arith_train.jsonl",
-                                   "arith_eval.jsonl", "tokenizer.json", "stats.json")}
-    files |= {f"checkpoints/{s}/{n}" for s in ("sft", "warmup", "grpo")
-              for n in ("config.json", "manifest.json", "model.safetensors", "state.json", "tokenizer.json")}
-    files |= {f"plots/{n}" for n in ("sft.csv", "warmup.csv", "grpo.csv", "accuracy.csv", "accuracy.png",
-                                     "training_curves.png")}
-    files |= {f"reports/predictions_{s}_{t}.csv" for s in ("sft", "warmup", "grpo") for t in ("gsm8k", "arith")}
-    return files | {"metrics/eval.json"}
-
-
-def task_runs_of(flow_run_id, expect=(), timeout: float = 60.0):
-    """The flow run's task runs, once the API holds a final state for each (and a run of every task
-    named in `expect`): task-run states reach the API as events, so right after the flow returns a
-    run can still be missing, or its state None or not final."""
-    import time
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    deadline = time.monotonic() + timeout
-    with get_client(sync_client=True) as client:
-        while True:
-            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-            names = {r.name.rsplit("-", 1)[0] for r in runs}  # task run names are "<task>-<n>"
-            settled = all(r.state is not None and r.state.is_final() for r in runs) and set(expect) <= names
-            if settled or time.monotonic() > deadline:
-                return runs
-            time.sleep(0.5)
+from tests.conftest import copy_repo, output_files, smoke_outputs, task_runs_of
 
 
 def settled_state(state, timeout: float = 60.0):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import STAGES
-from tests.test_flows import QUIET_ENV, copy_repo
+from tests.conftest import QUIET_ENV, copy_repo, task_runs_of
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +97,6 @@ def test_served_deployment_runs_on_trigger(tmp_path, prefect_server):
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.test_flows import task_runs_of
 
     repo = copy_repo(tmp_path / "repo", git=False)
     env = {**base_env(repo), **prefect_server["env"]}

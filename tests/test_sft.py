@@ -18,20 +18,8 @@ from pipeline.errors import InputError
 from pipeline.stages import sft
 from pipeline.training import build_optimizer, lr_at, param_groups
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-needs_shared = pytest.mark.skipif(not SHARED_GSM8K.is_dir(), reason="needs ../shared/data/gsm8k next to the repo")
+from tests.conftest import GSM8K, REPO
 
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
-    spin-waiting makes them several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 # --------------------------------------------------------------------------- schedule and optimiser
 
@@ -119,22 +107,16 @@ def test_mixed_batches_ratio_epochs_and_seed():
 
 # --------------------------------------------------------------------------- the stage
 
-SMOKE_OVERRIDES = ["data.gsm8k_source=src", "sft.steps=24", "sft.log_every=4", "sft.eval_every=12",
+SMOKE_OVERRIDES = [f"data.gsm8k_source={GSM8K}", "sft.steps=24", "sft.log_every=4", "sft.eval_every=12",
                    "sft.batch_size=8", "sft.warmup_steps=4", "sft.lr=1e-2", "sft.eval_samples=8"]
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """data/ prepared once from a slice of the real GSM8K with the smoke params."""
-    if not SHARED_GSM8K.is_dir():
-        pytest.skip("needs ../shared/data/gsm8k next to the repo")
+    """data/ prepared once from the GSM8K fixture with the smoke params."""
     from pipeline.stages.prepare import run_prepare
 
     root = tmp_path_factory.mktemp("prepared")
-    for split, n in (("train", 200), ("test", 20)):
-        lines = (SHARED_GSM8K / f"{split}.jsonl").read_text().splitlines(keepends=True)[:n]
-        (root / "src").mkdir(exist_ok=True)
-        (root / "src" / f"{split}.jsonl").write_text("".join(lines))
     cwd = Path.cwd()
     try:
         os.chdir(root)

@@ -18,10 +18,7 @@ import torch
 from pipeline.config import Config, TrackingConfig
 from pipeline.tracking import (NullLogger, TrackingUnavailableError, compare_runs, end_pipeline_run,
                                stage_logger, start_pipeline_run)
-
-REPO = Path(__file__).resolve().parents[1]
-QUIET_ENV = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-             "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+from tests.conftest import GSM8K, QUIET_ENV, REPO
 
 
 @pytest.fixture(scope="module")
@@ -247,10 +244,6 @@ def test_compare_runs_lists_pipelines_side_by_side(store):
     assert "no pipeline runs" in compare_runs(make_cfg(store, "empty"))
 
 
-SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
-
-
-@pytest.mark.skipif(not SHARED_GSM8K.is_dir(), reason="needs ../shared/data/gsm8k next to the repo")
 def test_prepare_is_a_stage_run_with_its_data_figures(store, tmp_path):
     """prepare opens its own stage run: row counts, rejections, vocabulary and token lengths as
     metrics, data/stats.json as an artifact."""
@@ -258,19 +251,14 @@ def test_prepare_is_a_stage_run_with_its_data_figures(store, tmp_path):
 
     from pipeline.stages.prepare import run_prepare
 
-    src = tmp_path / "src"
-    src.mkdir()
-    for split, n in (("train", 120), ("test", 30)):  # a slice of the real data keeps this fast
-        lines = (SHARED_GSM8K / f"{split}.jsonl").read_text().splitlines(keepends=True)[:n]
-        (src / f"{split}.jsonl").write_text("".join(lines))
     cfg = make_cfg(store, "prepare-run")
-    cfg.data = dataclasses.replace(cfg.data, gsm8k_source=str(src), val_size=20, arith_train_size=200,
+    cfg.data = dataclasses.replace(cfg.data, gsm8k_source=str(GSM8K), val_size=20, arith_train_size=200,
                                    arith_eval_size=20, vocab_size=400)
     out = run_prepare(cfg)
     (run,) = [r for r in runs(store, "prepare-run") if r.data.tags.get("grpo.role") == "stage"]
     assert run.info.run_name == "prepare" and run.info.status == "FINISHED"
     m = run.data.metrics
-    assert m["data/gsm8k_train_rows"] == out["counts"]["gsm8k_train"] == 100
+    assert m["data/gsm8k_train_rows"] == out["counts"]["gsm8k_train"] == 80 - 20
     assert m["data/arith_eval_rows"] == 20 and m["data/rejected_rows"] == 0
     assert m["data/arith_train_response_max_tokens"] >= m["data/arith_train_response_mean_tokens"] > 0
     assert run.data.params["data.val_size"] == "20"

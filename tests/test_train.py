@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+from tests.conftest import GSM8K
+from tests.conftest import REPO as ROOT
 
 
 def smoke_cfg(*overrides: str):
