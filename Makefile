@@ -1,6 +1,7 @@
-# Two commands do all the set-up on a fresh machine (Python >= 3.11):
-#   make run [GSM8K=../shared/data/gsm8k]   venv + install + the whole pipeline (dvc repro) on params.yaml
-#   make test                               venv + install + the test suite (what CI runs)
+# Two commands do all the set-up on a fresh machine (Python >= 3.11), in either order:
+#   make run [GSM8K=/path/to/gsm8k]   venv + install + the whole pipeline (dvc repro) on params.yaml
+#   make test                         venv + install + the fast test suite (everything not marked slow)
+#   make test-all                     the full suite: slow and integration tests too (what CI runs)
 PYTHON     ?= python3
 VENV       ?= .venv
 # CPU wheel by default; on a CUDA box e.g. TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
@@ -17,7 +18,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup run test bench clean-outputs
+.PHONY: setup run test test-all bench clean-outputs
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml requirements.lock
@@ -38,22 +39,23 @@ else
 endif
 	$(BIN)/dvc metrics show
 
+# Tests read GSM8K from the committed fixture (tests/fixtures/gsm8k) and never contact a hub.
+TEST_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(CURDIR)/$(BIN):$$PATH"
+
 test: setup
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)
+
+# -m '' clears the default 'not slow' selection: every test runs, so the run can never collect nothing.
+test-all: setup
+	$(TEST_ENV) $(BIN)/python -m pytest -m '' $(PYTEST_ARGS)
 
 clean-outputs:
 	rm -rf data checkpoints metrics plots/*.png reports mlflow.db
 
-# Benchmarks (bench/*.py; figures in docs/performance.md). A separate venv so TRL (the `bench` extra)
+# Benchmarks (bench/*.py; figures in docs/results/). A separate venv so TRL (the `bench` extra)
 # never enters the product's lock: torch first (the local CPU wheel; a bare `torch` would pull CUDA).
 BENCH_VENV ?= .venv-bench
 BENCH_BIN  := $(BENCH_VENV)/bin
-.PHONY: device-kit
-# What bench/device_check.sh needs on a lent GPU machine that the working tree does not carry: the
-# local GSM8K copy (../shared does not travel). .device/ is git-ignored; name it in the tool's carry.
-device-kit:
-	mkdir -p .device && cp -r $(or $(GSM8K),../shared/data/gsm8k) .device/gsm8k
-	@echo "then: the device tool's run, command 'bash bench/device_check.sh', carry ['.device']"
 
 .PHONY: bench-venv
 bench-venv: $(BENCH_VENV)/.installed

@@ -202,6 +202,11 @@ def _figure(width: float, height: float, nrows: int = 1, ncols: int = 1):
 
 def plot_accuracy(metrics: Mapping[str, Mapping[str, float]], path: str | Path,
                   tasks: Sequence[str] = TASKS) -> Path:
+    """plots/accuracy.png: :func:`accuracy_figure` written atomically."""
+    return write_figure_atomic(path, accuracy_figure(metrics, tasks))
+
+
+def accuracy_figure(metrics: Mapping[str, Mapping[str, float]], tasks: Sequence[str] = TASKS):
     """Grouped bar chart: one group per stage, one bar per task."""
     stages = list(metrics)
     fig, axes = _figure(6.0, 4.0)
@@ -217,7 +222,7 @@ def plot_accuracy(metrics: Mapping[str, Mapping[str, float]], path: str | Path,
     ax.set_ylabel("greedy accuracy")
     ax.set_title("Accuracy per stage")
     ax.legend()
-    return write_figure_atomic(path, fig)
+    return fig
 
 
 # (CSV columns in order of preference, title): the *_sampled columns count every group rolled out,
@@ -241,6 +246,11 @@ def curve_series(df, cols: tuple[str, ...]):
 
 
 def plot_training_curves(csv_paths: Mapping[str, str | Path], path: str | Path) -> Path:
+    """plots/training_curves.png: :func:`training_curves_figure` written atomically."""
+    return write_figure_atomic(path, training_curves_figure(csv_paths))
+
+
+def training_curves_figure(csv_paths: Mapping[str, str | Path]):
     """Reward, informative, KL and accuracy against iteration, one line per stage CSV.
 
     Stages run one after another, so each later stage's iterations are shifted to start after the
@@ -274,7 +284,7 @@ def plot_training_curves(csv_paths: Mapping[str, str | Path], path: str | Path) 
             ax.legend()
     if not plotted:
         fig.suptitle("no training curves found")
-    return write_figure_atomic(path, fig)
+    return fig
 
 
 # --------------------------------------------------------------------------- terminal table

@@ -126,13 +126,21 @@ def any_policy(request, tiny_tokenizer, hf_dirs):
 
 # --------------------------------------------------------------------------- a copy of the repo for DVC / Prefect
 
+PIPELINE_OUTPUTS = ("data/", "checkpoints/", "metrics/", "plots/", "reports/", "dvc.lock", "mlflow.db", "mlruns/")
+
+
+def _git_files(*args: str) -> list[str]:
+    return subprocess.run(["git", "ls-files", *args], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
 def copy_repo(dst: Path, git: bool = True) -> Path:
-    """The repo's tracked (and not ignored) files, without .ci/ and tests/, copied into `dst`, with
+    """The repo's files as a clone would have them, without .ci/ and tests/, copied into `dst`, with
     the smoke config written out in full as params.yaml and GSM8K read from the fixture; with `git`,
-    `dst` becomes a fresh git repo of one commit."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for rel in files:
+    `dst` becomes a fresh git repo of one commit. Untracked files come too (new code not yet added),
+    except what a `make run` in this checkout wrote (data, checkpoints, metrics, dvc.lock, ...)."""
+    untracked = [f for f in _git_files("-o", "--exclude-standard") if not f.startswith(PIPELINE_OUTPUTS)]
+    for rel in _git_files("-c") + untracked:
         src = REPO / rel
         if src.is_file() and not rel.startswith((".ci/", "tests/")):
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import itertools
 import json
@@ -196,7 +195,25 @@ def test_outputs_are_byte_identical_on_rerun(tmp_path, monkeypatch):
     back = pd.read_csv(first["predictions_sft_gsm8k"], keep_default_na=False)
     assert back["completion"].tolist() == [t for t, *_ in HAND_MADE]
     assert back["question"][0] == preds["sft", "gsm8k"][0]["question"]
-    assert snapshot["accuracy_png"].startswith(b"\x89PNG")
+    again = ev.write_figure_atomic(tmp_path / "again.png", ev.accuracy_figure(metrics))
+    assert again.read_bytes() == snapshot["accuracy_png"]  # the PNG is the figure checked below
+
+
+def test_accuracy_figure_draws_the_accuracy_csv():
+    """One labelled bar per (stage, task) at the height plots/accuracy.csv gives it."""
+    metrics = {"sft": {"gsm8k_accuracy": 0.25, "arith_accuracy": 0.5},
+               "grpo": {"gsm8k_accuracy": 0.375, "arith_accuracy": 0.75}}
+    ax = ev.accuracy_figure(metrics).axes[0]
+    assert ax.get_ylabel() == "greedy accuracy" and ax.get_title() == "Accuracy per stage"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["sft", "grpo"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["gsm8k", "arith"]
+    bars = {(stage, task): bar.get_height()  # one container per task, its bars in stage order
+            for task, container in zip(("gsm8k", "arith"), ax.containers)
+            for stage, bar in zip(("sft", "grpo"), container)}
+    table = ev.accuracy_table(metrics)
+    assert bars == {(r.stage, r.task): r.accuracy for r in table.itertuples()} and len(bars) == 4
+    labels = [t.get_text() for t in ax.texts]
+    assert sorted(labels) == ["0.25", "0.38", "0.50", "0.75"]
 
 
 def test_training_curves_skip_missing_files_and_empty_cells(tmp_path):
@@ -205,11 +222,27 @@ def test_training_curves_skip_missing_files_and_empty_cells(tmp_path):
                     "0,0.1,0.5,0.0,0.0,0.2\n1,0.3,0.6,0.01,0.1,\n2,0.5,0.7,0.02,0.1,0.4\n")
     grpo = tmp_path / "grpo.csv"
     grpo.write_text("iteration,reward,kl\n0,0.6,0.0\n1,0.7,0.01\n")
-    out = ev.plot_training_curves({"warmup": warm, "grpo": grpo, "missing": tmp_path / "nope.csv"},
-                                  tmp_path / "curves.png")
-    assert out.read_bytes().startswith(b"\x89PNG")
-    empty = ev.plot_training_curves({"warmup": tmp_path / "nope.csv"}, tmp_path / "empty.png")
-    assert empty.is_file()
+    paths = {"warmup": warm, "grpo": grpo, "missing": tmp_path / "nope.csv"}
+    fig = ev.training_curves_figure(paths)
+    reward, informative, kl, accuracy = fig.axes
+    assert [ax.get_title() for ax in fig.axes] == [title for _, title in ev.CURVE_COLUMNS]
+    assert {ax.get_xlabel() for ax in fig.axes} == {"iteration (stages in order)"}
+
+    def series(ax):
+        return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+
+    # grpo's iterations follow warmup's last (2); a stage without a column draws no line there
+    assert series(reward) == {"warmup": ([0, 1, 2], [0.1, 0.3, 0.5]), "grpo": ([3, 4], [0.6, 0.7])}
+    assert series(informative) == {"warmup": ([0, 1, 2], [0.5, 0.6, 0.7])}
+    assert series(kl) == {"warmup": ([0, 1, 2], [0.0, 0.01, 0.02]), "grpo": ([3, 4], [0.0, 0.01])}
+    assert series(accuracy) == {"warmup": ([0, 2], [0.2, 0.4])}  # the empty cell is dropped, not drawn
+    assert [t.get_text() for t in reward.get_legend().get_texts()] == ["warmup", "grpo"]
+    out = ev.plot_training_curves(paths, tmp_path / "curves.png")
+    assert out.read_bytes() == ev.write_figure_atomic(tmp_path / "again.png", fig).read_bytes()
+
+    empty = ev.training_curves_figure({"warmup": tmp_path / "nope.csv"})
+    assert fig.get_suptitle() == "" and empty.get_suptitle() == "no training curves found"
+    assert not any(ax.get_lines() for ax in empty.axes)
 
 
 def test_training_curves_prefer_the_columns_of_every_sampled_group():
@@ -306,11 +339,6 @@ class _RecordingLogger:
         self.tables.append((name, rows))
 
 
-_HAS_POLICY = all(importlib.util.find_spec(m) is not None
-                  for m in ("pipeline.checkpoint", "pipeline.rollout", "pipeline.model.policy"))
-
-
-@pytest.mark.skipif(not _HAS_POLICY, reason="policy/checkpoint/rollout code not in this tree yet")
 def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     from pipeline.checkpoint import save_policy
     from pipeline.model.policy import build_policy

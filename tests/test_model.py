@@ -26,7 +26,7 @@ def test_seed_size_is_about_406m_params():
 
 def test_default_size_fits_two_cpu_cores():
     # 4 x 128 (~1.3M): its SFT takes about as long as 3 x 96's on 2 cores and its GRPO warmup gains
-    # 2-3x as much held-out accuracy (docs/tuning.md, session 5); 4 x 256 no longer fits minutes
+    # 2-3x as much held-out accuracy (docs/results/cpu-defaults.md); 4 x 256 no longer fits minutes
     mc = ModelConfig()  # the params.yaml defaults
     n = count_params(GPTConfig.from_model_config(mc, vocab_size=2048))
     assert 0.3e6 < n < 5e6

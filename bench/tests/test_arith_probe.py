@@ -1,4 +1,4 @@
-"""The error classifier of bench/arith_probe.py (its figures are quoted in docs/tuning.md)."""
+"""The error classifier of bench/arith_probe.py (a benchmark tool, so its test lives beside it, not in tests/)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
