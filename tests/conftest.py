@@ -27,6 +27,19 @@ os.environ.update(QUIET_ENV)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Tests that start a real server (Prefect's test harness or API server, an MLflow server) by
+# requesting one of these fixtures are marked `integration` and `slow` here, wherever they live.
+SERVER_FIXTURES = {"harness", "prefect_server", "mlflow_server"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config):
     """One torch thread: the tests' tensors are tiny, and on a small shared machine intra-op
     threads spin against other processes (a 10x slowdown under load, for no gain when idle)."""

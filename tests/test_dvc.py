@@ -1,6 +1,5 @@
-"""dvc.yaml: structure checks (fast), `dvc repro` of prepare (default suite), and the whole smoke
-pipeline under DVC: repro, no-op repro, experiments, metrics/plots diff, push/pull to a local remote
-(`slow`). Every DVC command runs in a temporary git copy of the repo with the smoke params."""
+"""dvc.yaml: structure checks (fast), and under `slow`: `dvc repro` of prepare, and the whole smoke
+pipeline under DVC: repro, no-op repro, experiments, metrics/plots diff, push/pull to a local remote. Every DVC command runs in a temporary git copy of the repo with the smoke params."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pipeline.config import STAGES, Config
@@ -91,6 +91,7 @@ def test_dvc_config_has_analytics_off_and_ignores_bytecode():
     assert "__pycache__/" in (REPO / ".dvcignore").read_text()
 
 
+@pytest.mark.slow
 def test_repro_prepare_then_nothing_to_do(tmp_path):
     """Default suite: DVC runs the real prepare stage, records it, and a second repro is a no-op."""
     repo = copy_repo(tmp_path / "repo")
@@ -108,6 +109,7 @@ def test_repro_prepare_then_nothing_to_do(tmp_path):
 
 # --------------------------------------------------------------------------- whole pipeline (~2 min; in CI)
 
+@pytest.mark.slow
 def test_full_pipeline_repro_experiments_diffs_and_remote(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     first = sh(repo, "dvc", "repro")

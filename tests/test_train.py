@@ -208,6 +208,7 @@ def _run_cli(stage: str, *overrides: str, cwd: Path, wait: bool = True):
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bit_identical(workdir, tmp_path):
     """SIGKILL mid-run, re-run: final weights equal those of an uninterrupted run, bit for bit."""
     overrides = ("grpo.iterations=6", "grpo.save_every=2", "grpo.eval_every=0")
@@ -247,6 +248,7 @@ def _series(path: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in row.items() if k != "tokens_per_s"} for row in csv.DictReader(f)]
 
 
+@pytest.mark.slow
 def test_update_under_ddp_equals_single_process(tmp_path):
     """2-process gloo DDP on two halves of a batch == 1 process on the whole batch (same update)."""
     script = ROOT / "tests" / "ddp_update_check.py"
@@ -333,6 +335,7 @@ def test_adaptive_curriculum_leaves_early_and_logs_why(workdir):
     assert "leaving the warmup early" in summary["adaptive"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamic", ["false", "true"])
 def test_nproc_2_relaunches_under_torchrun_and_rank0_saves(workdir, dynamic):
     """grpo.nproc=2 on CPU: the stage runs itself under torchrun (gloo); rank 0 writes the outputs.
