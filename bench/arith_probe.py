@@ -1,6 +1,6 @@
 """Where a checkpoint stands on the held-out arithmetic set, per curriculum level: greedy accuracy,
 mean accuracy of k samples at temperature 1, and pass@k. Used to size the SFT and the warmup
-(docs/tuning.md): a big gap between pass@k and greedy is headroom that sampling can reach.
+(docs/results/cpu-defaults.md): a big gap between pass@k and greedy is headroom that sampling can reach.
 
 With ``--errors`` it also sorts the wrong greedy answers by their first line that differs from the
 worked gold solution (:func:`classify_error`): a wrong one-digit fact on the right operands, a

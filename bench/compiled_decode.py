@@ -14,9 +14,10 @@ eager on both; alternating repeats in one process, median seconds. The last line
     .venv/bin/python bench/compiled_decode.py [--layers 4] [--width 256] [--prompts 8] [--group 8]
         [--prompt-len 64] [--new-tokens 64] [--repeats 5] [--cpp-wrapper]
 
-Measured not kept (session 5, one core): 1.20x (freezing) and 1.26x (plus the C++ wrapper) over
-the eager GPT rollout at 4x256, 64 rows; compile 15-36 s per shape. The step's attention over the
-response keys reads the whole buffer every step and is memory-bound in the generated kernels.
+Measured, not used by the pipeline (docs/results/speed.md, one core): 1.20x (freezing) and 1.26x
+(plus the C++ wrapper) over the eager GPT rollout at 4x256, 64 rows; compile 15-49 s per shape.
+The step's attention over the response keys reads the whole buffer every step and is memory-bound
+in the generated kernels.
 """
 
 from __future__ import annotations

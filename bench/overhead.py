@@ -13,7 +13,7 @@ subprocess timed end to end (interpreter start and imports included, as a user w
 Overhead = way - direct, in seconds and as a fraction of direct. The ways alternate round by round
 (``--repeats``); every child gets OMP_NUM_THREADS=1. The smoke stages take seconds, so these
 fractions are an upper bound for a real run: the overhead is a roughly fixed number of seconds per
-run (per stage for DVC), which the default run's hours dilute; see docs/performance.md.
+run (per stage for DVC), which the default run's minutes dilute; see docs/results/speed.md.
 
     .venv/bin/python bench/overhead.py [--repeats 1] [--gsm8k PATH] [--ways direct,prefect,dvc,mlflow]
 

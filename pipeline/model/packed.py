@@ -16,7 +16,7 @@ the layers' calls through ``torch.ops.mkl._mkl_linear`` until the block ends.
 - ``transformers``' GPT-2 ``Conv1D`` (a linear layer with a transposed weight) is packed as well.
 - Memory: the packed copies live for the block, about the size of the linear weights again.
 
-Measured in ``bench/rollout.py`` (``packed_linear_speedup``); see docs/performance.md.
+Measured in ``bench/rollout.py`` (``packed_linear_speedup``); see docs/results/speed.md.
 """
 
 from __future__ import annotations
