@@ -59,8 +59,8 @@ def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, 
                     old: bool, shared: bool = False) -> dict:
     """FLOPs of each phase for B prompts of padded width Tp, `rows` = B*G rows, `steps` decode steps.
     N includes the LM head (H params), which the prefill applies to the last prompt position only and
-    the log-prob passes to the response columns only (compute_logprobs `start`). `shared`: the
-    log-prob passes run each prompt once per group (compute_logprobs `group_size`), the responses
+    the log-prob passes to the response columns only (Policy.token_logprobs `start`). `shared`: the
+    log-prob passes run each prompt once per group (Policy.token_logprobs `group_size`), the responses
     on top of it."""
     attn = 4 * L * C
     T = Tp + steps
@@ -76,21 +76,13 @@ def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, 
 
 
 def _twin(cfg, stage: str, patch):
-    """One iteration of a second set-up (same seeds, so the same prompts and widths) with the
-    stage's `compute_logprobs` replaced by `patch(original)` for the duration of the iteration."""
-    import pipeline.stages.grpo as grpo_mod
-
+    """One iteration of a second set-up (same seeds, so the same prompts and widths) whose
+    policies' `token_logprobs` is replaced by `patch(original)`."""
     twin = GRPOIterations(cfg, stage)
-    original = grpo_mod.compute_logprobs
-
-    def run() -> None:
-        grpo_mod.compute_logprobs = patch(original)
-        try:
-            twin.iteration()
-        finally:
-            grpo_mod.compute_logprobs = original
-
-    return run
+    for policy in (twin.run.policy, twin.run.ref):
+        if policy is not None:
+            policy.token_logprobs = patch(policy.token_logprobs)  # the instance attribute shadows the method
+    return twin.iteration
 
 
 def main() -> None:
@@ -104,12 +96,12 @@ def main() -> None:
     ap.add_argument("--stage", default="grpo", choices=["grpo", "warmup"])
     ap.add_argument("--ab-full-logits", action="store_true",
                     help="also time a twin trainer (same seeds, so the same prompts and widths) whose log-prob "
-                         "passes project every column onto the vocabulary (compute_logprobs start=1, the old "
+                         "passes project every column onto the vocabulary (token_logprobs start=1, the old "
                          "behaviour; it also turns the shared-prompt path off, which needs start > 1), "
                          "alternating iteration by iteration")
     ap.add_argument("--ab-shared-prompt", action="store_true",
                     help="also time a twin trainer whose log-prob passes run every row's prompt "
-                         "(compute_logprobs group_size=1: no shared prompt), alternating")
+                         "(token_logprobs group_size=1: no shared prompt), alternating")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -173,9 +165,7 @@ def main() -> None:
     B, rows, Tp = g.prompts_per_iter, ro.input_ids.shape[0], ro.prompt_len
     steps = ro.input_ids.shape[1] - Tp
     single = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter)
-    from pipeline.rollout import _prefix_shared
-
-    shared = _prefix_shared(policy, ro.input_ids, ro.attention_mask, Tp, g.group_size)
+    shared = policy._shares_prompt(ro.input_ids, ro.attention_mask, Tp, g.group_size)
     flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=not single, shared=shared)
     wall = median(times)
     mid = min(range(len(times)), key=lambda i: abs(times[i] - wall))  # the (closest to) median iteration

@@ -95,7 +95,7 @@ def main() -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import pipeline.rollout as rollout_mod
+    from pipeline.model.policy import Policy
     from pipeline.rewards.verifiers import reward_for
 
     verifier = reward_for("arith")
@@ -119,12 +119,12 @@ def main() -> None:
                 ours.iteration()
                 ours_times.append(time.perf_counter() - t0)
                 if args.ab_shared_prefix:  # the same iteration with every group's prompt recomputed per row
-                    shared, rollout_mod._prefix_shared = rollout_mod._prefix_shared, lambda *a: False
+                    shared, Policy._shares_prompt = Policy._shares_prompt, lambda *a: False
                     t0 = time.perf_counter()
                     ours.iteration()
                     ours.it += 1
                     plain_times.append(time.perf_counter() - t0)
-                    rollout_mod._prefix_shared = shared
+                    Policy._shares_prompt = shared
                 trl_marks.append(time.perf_counter())  # TRL's next step starts now
 
         config = GRPOConfig(

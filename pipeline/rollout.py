@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.gpt import positions_from_mask
+from pipeline.model import fastpaths
+from pipeline.model.attention import positions_from_mask
 from pipeline.model.packed import packed_linears
 from pipeline.model.policy import Policy
 
@@ -80,8 +81,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
     if greedy:
         tokens = scaled.argmax(-1)
         return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    if top_k == 0 and top_p >= 1.0:
-        # the plain case (every GRPO rollout by default): one softmax serves both the draw and the
+    if top_k == 0 and top_p >= 1.0 and fastpaths.enabled():
+        # no truncation (every GRPO rollout by default): one softmax serves both the draw and the
         # log-prob; log(p) of a drawn token is within ~1e-7 of log_softmax (p > 0: never a zero-mass draw)
         probs = scaled.softmax(-1)  # (N, V)
         tokens = _inverse_cdf_sample(probs, generator)  # (N,)
@@ -95,8 +96,15 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p
         filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    tokens = _inverse_cdf_sample(filtered.softmax(-1), generator)  # (N,)
+    tokens = _draw(filtered.softmax(-1), generator)  # (N,)
     return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of (N, V) probabilities."""
+    if not fastpaths.enabled():
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _inverse_cdf_sample(probs, generator)
 
 
 _CDF_BLOCK = 64
@@ -172,7 +180,8 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
     decoder = policy.decoder(Tp + max_new_tokens)
     positions = positions_from_mask(mask)  # (B, Tp)
     # CPU fp32: each linear layer's weight packed once for MKL, not re-packed by every decode matmul.
-    with packed_linears(policy.module, N, enabled=dev.type == "cpu" and policy.autocast_dtype is None):
+    cpu_fp32 = dev.type == "cpu" and policy.autocast_dtype is None
+    with packed_linears(policy.module, N, enabled=fastpaths.enabled() and cpu_fp32):
         logits = decoder.prefill(ids, mask, positions, G)  # (N, V): one prefill per distinct prompt
         next_pos = positions[:, -1].repeat_interleave(G) + 1  # (N,)
 
@@ -210,105 +219,3 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
         truncated=~done,
         prompt_len=Tp,
     )
-
-
-def compute_logprobs(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     temperature: float = 1.0, *, start: int = 1, group_size: int = 1) -> torch.Tensor:
-    """(N, T) log p(input_ids[:, t] | input_ids[:, :t]) at `temperature`; column 0 and pads are 0.
-
-    Differentiable when grad is enabled. Memory: the gathered log-prob is `logit - logsumexp`, so
-    no (N, T, V) log-softmax is materialised besides the fp32 logits themselves.
-
-    `start`: the first column whose log-prob is wanted (GRPO: the response start); earlier columns
-    come back 0 and their vocabulary projection + logsumexp is skipped. That is most of the
-    (N, T, V) work when prompts are longer than responses (1.27x on a GRPO update on CPU).
-
-    `group_size`: rows come in groups of that many that share their first `start` columns (a
-    rollout's layout, checked). Each group's prompt then runs once and the responses run on its
-    keys/values repeated per row (:func:`pipeline.model.hf.hf_shared_prefix_logits`,
-    :func:`pipeline.model.gpt.shared_prompt_logits`): same values and gradients, the prompt trunk
-    costs 1/G (2x on the log-prob and update phases of bench/vs_trl.py). Other batches, DDP and
-    torch.compile take the plain path.
-    """
-    T = input_ids.shape[1]
-    start = max(1, min(start, T))
-    if _prefix_shared(policy, input_ids, attention_mask, start, group_size):
-        if policy.backend == "hf":
-            from pipeline.model.hf import hf_shared_prefix_logits as shared_logits
-        else:
-            from pipeline.model.gpt import shared_prompt_logits as shared_logits
-        with policy.autocast():
-            logits = shared_logits(policy.module, input_ids, attention_mask, positions_from_mask(attention_mask),
-                                   start, group_size)
-        return _gather_logprobs(logits, input_ids, attention_mask, temperature, start)
-    head = _output_head(policy.module) if start > 1 else None
-    hook = head.register_forward_pre_hook(lambda _m, args: (args[0][:, start - 1:],)) if head is not None else None
-    try:
-        logits = policy.logits(input_ids, attention_mask)
-    finally:
-        if hook is not None:
-            hook.remove()
-    if logits.shape[1] == T:  # no hook (start 1), or a wrapper (torch.compile) that skipped it
-        logits = logits[:, start - 1:]
-    return _gather_logprobs(logits[:, :-1], input_ids, attention_mask, temperature, start)
-
-
-class _TokenLogProb(torch.autograd.Function):
-    """log_softmax(logits)[target] = logits[target] - logsumexp(logits), with one fused backward:
-    d/dlogits = g * (onehot(target) - softmax(logits)), computed in place in one (M, V) buffer.
-    Autograd's own graph for the same expression (gather, logsumexp, subtraction) makes about twice
-    the passes over the (M, V) logits in backward (1.16x on the update's forward + backward of
-    the CPU default); the values and gradients are the same (tests)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(logits, lse, target)
-        return logits.gather(-1, target[..., None]).squeeze(-1) - lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        logits, lse, target = ctx.saved_tensors
-        out = (logits - lse[..., None]).exp_().mul_(-grad[..., None])  # -g * softmax
-        out.scatter_add_(-1, target[..., None], grad[..., None])  # + g at the target
-        return out, None
-
-
-def token_logprobs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """log p(target) under logits (..., V) -> (...); differentiable with the fused backward (under
-    no_grad / inference_mode no graph is recorded and nothing is kept)."""
-    return _TokenLogProb.apply(logits, target)
-
-
-def _gather_logprobs(logits, input_ids, attention_mask, temperature: float, start: int) -> torch.Tensor:
-    """(N, T) log-probs from the logits at positions start-1 .. T-2 (N, T-start, V)."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    target = input_ids[:, start:]  # (N, T-start)
-    logp = token_logprobs(logits, target)  # (N, T-start)
-    logp = torch.where(attention_mask[:, start:].bool(), logp, torch.zeros_like(logp))
-    return F.pad(logp, (start, 0))  # (N, T)
-
-
-def _prefix_shared(policy: Policy, input_ids, attention_mask, start: int, group: int) -> bool:
-    """Whether the shared-prompt path applies: the module run directly (not DDP / compiled: those
-    need one forward per backward), group-contiguous rows whose first `start` columns agree within
-    each group (what a rollout hands over; checked, so any other batch takes the plain path)."""
-    N = input_ids.shape[0]
-    if group <= 1 or start <= 1 or N % group or policy.runner is not policy.module:
-        return False
-    B = N // group
-    for t in (input_ids[:, :start], attention_mask[:, :start]):
-        g = t.reshape(B, group, start)
-        if not torch.equal(g, g[:, :1].expand_as(g)):
-            return False
-    return True
-
-
-def _output_head(module: torch.nn.Module) -> torch.nn.Module | None:
-    """The vocabulary projection (the GPT's `lm_head`, a HF model's output embeddings), if found."""
-    get = getattr(module, "get_output_embeddings", None)
-    head = get() if callable(get) else getattr(module, "lm_head", None)
-    return head if isinstance(head, torch.nn.Module) else None

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, count_params, grouped_prefix_attention, positions_from_mask
+from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
+from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, count_params
 from pipeline.model.policy import build_policy, resolve_autocast, resolve_device
 from tests.conftest import tiny_model_config
 

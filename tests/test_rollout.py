@@ -1,5 +1,5 @@
 """The rollout engine over every backend (GPT rope/learned, HF GPT-2/Llama): layout, masks,
-stop handling, log-prob agreement with compute_logprobs, padding invariance, reproducibility."""
+stop handling, log-prob agreement with Policy.token_logprobs, padding invariance, reproducibility."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.rollout import compute_logprobs, left_pad, rollout_prompts, sample_next
+from pipeline.rollout import left_pad, rollout_prompts, sample_next
 
 PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: 12 - 5?", "Question: What is 99 + 1?\nAnswer: 9"]
 
@@ -95,7 +95,7 @@ def test_sampled_logprobs_equal_recomputed(any_policy, temperature):
     r = rollout_prompts(any_policy, PROMPTS, group_size=3, max_new_tokens=10, temperature=temperature,
                         top_k=20, generator=gen(2))
     with torch.no_grad():
-        lp = compute_logprobs(any_policy, r.input_ids, r.attention_mask, temperature=temperature)
+        lp = any_policy.token_logprobs(r.input_ids, r.attention_mask, temperature=temperature)
     diff = ((lp - r.logprobs) * r.response_mask).abs().max()
     assert diff < 1e-4
 
@@ -105,16 +105,16 @@ def test_logprobs_from_response_start_equal_the_full_computation(any_policy):
     r = rollout_prompts(any_policy, PROMPTS, group_size=2, max_new_tokens=8, generator=gen(3))
     ids, mask = r.input_ids, r.attention_mask
     with torch.no_grad():
-        full = compute_logprobs(any_policy, ids, mask)
-        part = compute_logprobs(any_policy, ids, mask, start=r.prompt_len)
+        full = any_policy.token_logprobs(ids, mask)
+        part = any_policy.token_logprobs(ids, mask, start=r.prompt_len)
     assert (part[:, : r.prompt_len] == 0).all()
     torch.testing.assert_close(part[:, r.prompt_len:], full[:, r.prompt_len:], atol=1e-6, rtol=0)
     # and with grad: the same gradient on the response log-probs
     any_policy.module.zero_grad()
-    (compute_logprobs(any_policy, ids, mask, start=r.prompt_len) * r.response_mask).sum().backward()
+    (any_policy.token_logprobs(ids, mask, start=r.prompt_len) * r.response_mask).sum().backward()
     g_part = [p.grad.clone() for p in any_policy.module.parameters() if p.grad is not None]
     any_policy.module.zero_grad()
-    (compute_logprobs(any_policy, ids, mask) * r.response_mask).sum().backward()
+    (any_policy.token_logprobs(ids, mask) * r.response_mask).sum().backward()
     g_full = [p.grad.clone() for p in any_policy.module.parameters() if p.grad is not None]
     for a, b in zip(g_part, g_full):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -124,25 +124,23 @@ def test_logprobs_from_response_start_equal_the_full_computation(any_policy):
 def test_shared_prompt_logprobs_equal_the_plain_computation(any_policy, temperature):
     """`group_size=` runs each group's prompt once (both backends) and the responses on its keys:
     same log-probs and same gradient as one full forward, with rows of different lengths."""
-    from pipeline.rollout import _prefix_shared
-
     tok = any_policy.tokenizer
     stops = list(range(0, tok.vocab_size, 4))
     r = rollout_prompts(any_policy, PROMPTS, group_size=4, max_new_tokens=10, temperature=temperature,
                         generator=gen(5), stop_ids=stops)
     ids, mask, P = r.input_ids, r.attention_mask, r.prompt_len
     assert len(set(r.response_lengths.tolist())) > 1  # right padding inside the response block
-    assert _prefix_shared(any_policy, ids, mask, P, 4)
-    assert not _prefix_shared(any_policy, ids.roll(1, 0), mask.roll(1, 0), P, 4)  # groups mixed: plain path
+    assert any_policy._shares_prompt(ids, mask, P, 4)
+    assert not any_policy._shares_prompt(ids.roll(1, 0), mask.roll(1, 0), P, 4)  # groups mixed: plain path
     with torch.no_grad():
-        plain = compute_logprobs(any_policy, ids, mask, temperature, start=P)
-        shared = compute_logprobs(any_policy, ids, mask, temperature, start=P, group_size=4)
+        plain = any_policy.token_logprobs(ids, mask, temperature, start=P)
+        shared = any_policy.token_logprobs(ids, mask, temperature, start=P, group_size=4)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
     torch.testing.assert_close(shared, r.logprobs, atol=1e-4, rtol=0)
     grads = []
     for g in (1, 4):
         any_policy.module.zero_grad()
-        (compute_logprobs(any_policy, ids, mask, temperature, start=P, group_size=g) * r.response_mask).sum().backward()
+        (any_policy.token_logprobs(ids, mask, temperature, start=P, group_size=g) * r.response_mask).sum().backward()
         grads.append([p.grad.clone() for p in any_policy.module.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1])
     for a, b in zip(*grads):
@@ -152,8 +150,8 @@ def test_shared_prompt_logprobs_equal_the_plain_computation(any_policy, temperat
 def test_shared_prompt_logprobs_with_one_response_column(any_policy):
     r = rollout_prompts(any_policy, PROMPTS, group_size=2, max_new_tokens=1, generator=gen(6))
     with torch.no_grad():
-        plain = compute_logprobs(any_policy, r.input_ids, r.attention_mask, start=r.prompt_len)
-        shared = compute_logprobs(any_policy, r.input_ids, r.attention_mask, start=r.prompt_len, group_size=2)
+        plain = any_policy.token_logprobs(r.input_ids, r.attention_mask, start=r.prompt_len)
+        shared = any_policy.token_logprobs(r.input_ids, r.attention_mask, start=r.prompt_len, group_size=2)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
 
 
@@ -162,13 +160,13 @@ def test_padding_does_not_change_logprobs(any_policy):
     short, long = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2] + " 1 2 3 4 5")
     assert len(long) > len(short)
     with torch.no_grad():
-        alone = compute_logprobs(any_policy, torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long))
+        alone = any_policy.token_logprobs(torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long))
         ids, mask = left_pad([short, long], tok.pad_id)
-        left = compute_logprobs(any_policy, ids, mask)[0, -len(short):]
+        left = any_policy.token_logprobs(ids, mask)[0, -len(short):]
         pad = len(long) - len(short)
         right_ids = torch.tensor([short + [tok.pad_id] * pad, long])
         right_mask = torch.tensor([[1] * len(short) + [0] * pad, [1] * len(long)])
-        right = compute_logprobs(any_policy, right_ids, right_mask)
+        right = any_policy.token_logprobs(right_ids, right_mask)
     torch.testing.assert_close(left[1:], alone[0, 1:], atol=1e-5, rtol=0)
     torch.testing.assert_close(right[0, : len(short)], alone[0], atol=1e-5, rtol=0)
     assert (right[0, len(short):] == 0).all()
@@ -185,7 +183,7 @@ def test_same_seed_same_samples(any_policy):
 def test_rollout_tensors_can_enter_autograd(gpt_policy):
     r = rollout_prompts(gpt_policy, PROMPTS[:1], 2, 4, generator=gen())
     gpt_policy.train()
-    lp = compute_logprobs(gpt_policy, r.input_ids, r.attention_mask)
+    lp = gpt_policy.token_logprobs(r.input_ids, r.attention_mask)
     ((lp - r.logprobs) * r.response_mask).sum().backward()
     assert gpt_policy.module.wte.weight.grad is not None
     assert gpt_policy.module.training  # rollout restored the mode it found
@@ -261,7 +259,7 @@ def test_blocked_cdf_sampling_frequencies_across_blocks():
 def test_token_logprobs_fused_backward_equals_autograd():
     """The fused log-prob backward gives log_softmax-gather's values and gradients (upstream
     gradients of both signs, logits with a wide range), and passes gradcheck in float64."""
-    from pipeline.rollout import token_logprobs
+    from pipeline.model.logprobs import token_logprobs
 
     g = gen(7)
     logits = (torch.randn(3, 5, 40, generator=g) * 6).requires_grad_()

@@ -29,6 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipeline.model import fastpaths
+from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
+
 
 @dataclass
 class GPTConfig:
@@ -60,12 +63,6 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each token counted over real tokens only; pads get 0. (B, T) -> (B, T) long."""
-    mask = attention_mask.long()
-    return ((mask.cumsum(-1) - 1) * mask).clamp(min=0)
 
 
 class KVCache:
@@ -229,41 +226,6 @@ class CausalSelfAttention(nn.Module):
         return F.dropout(self.c_proj(y), self.dropout, self.training)
 
 
-def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scale=None) -> torch.Tensor:
-    """One decode step of N = B*G rows whose G consecutive rows continue the same prompt: attention
-    over the B prompts' keys, stored and read once per group (one (G, Tp) matmul per prompt, not G
-    (1, Tp) ones), plus each row's own keys, one softmax over both. Both decoders use it: the GPT's
-    :class:`KVCache` and the transformers attention function of ``pipeline.model.hf``.
-
-    q: (N, H, 1, D); kp_t: (B, Hkv, D, Tp) the prompts' keys, transposed (made contiguous once per
-    rollout: the prompt part is then one batched matmul with the scale and the pad bias fused in);
-    vp: (B, Hkv, Tp, D); k, v: (N, Hkv, t, D) each row's own positions so far; H = Hkv * r
-    (grouped-query attention: key head i serves query heads i*r .. i*r+r-1); prefix_bias: additive
-    (0 or -inf) bias of the prompt keys in q's dtype, (B, Hkv, 1, Tp) (made once per rollout; a
-    (B, 1, 1, Tp) bias also works, at the cost of a copy per call); key_mask: (N, t) bool, True =
-    attend, or None when every row key is real (a decode cache). Returns (N, H, 1, D).
-    """
-    N, H, T, D = q.shape
-    if T != 1:
-        raise ValueError("a shared-prefix cache decodes one token per step")
-    B, Hkv, _, Tp = kp_t.shape
-    G, r, t = N // B, H // Hkv, k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
-    q = q.reshape(N, Hkv, r, D)
-    qg = q.view(B, G, Hkv, r, D).transpose(1, 2).reshape(B * Hkv, G * r, D)  # a group's queries together
-    bias = prefix_bias.expand(B, Hkv, 1, Tp).reshape(B * Hkv, 1, Tp)
-    sp = torch.baddbmm(bias, qg, kp_t.reshape(B * Hkv, D, Tp), alpha=scale)  # (B*Hkv, G*r, Tp)
-    sp = sp.view(B, Hkv, G, r, Tp).transpose(1, 2).reshape(N, Hkv, r, Tp)
-    sr = (q @ k.transpose(-1, -2)) * scale  # (N, Hkv, r, t)
-    if key_mask is not None:
-        sr = sr.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    att = torch.cat([sp, sr], dim=-1).float().softmax(-1).to(v.dtype)  # (N, Hkv, r, Tp + t)
-    ap, ar = att.split([Tp, t], dim=-1)
-    yp = ap.reshape(B, G, Hkv, r, Tp).transpose(1, 2).reshape(B, Hkv, G * r, Tp) @ vp  # (B, Hkv, G*r, D)
-    y = yp.view(B, Hkv, G, r, D).transpose(1, 2).reshape(N, Hkv, r, D) + ar @ v  # (N, Hkv, r, D)
-    return y.reshape(N, H, 1, D)
-
-
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
@@ -345,8 +307,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                last_only: bool = False, prompt_kv: PromptKV | None = None) -> torch.Tensor:
-        """Logits (B, T, V), or (B, 1, V) with `last_only`.
+                last_only: bool = False, prompt_kv: PromptKV | None = None, logits_from: int = 0) -> torch.Tensor:
+        """Logits (B, T, V), or (B, 1, V) with `last_only`, or (B, T - logits_from, V): the
+        vocabulary projection of the columns from `logits_from` on only.
 
         With `cache`, `idx` holds the next T tokens of every row, appended at `cache.length`;
         `attention_mask` then covers those T tokens only (None = all real) and `position_ids`
@@ -385,7 +348,10 @@ class GPT(nn.Module):
             cache.length += T
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        h = self.ln_f(x)  # (B, T, C)
+        if logits_from:
+            h = h[:, logits_from:]  # (B, T - logits_from, C)
+        return self.lm_head(h)  # (B, T', V)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         p = self.wte.weight
@@ -412,9 +378,11 @@ class GPTDecoder:
         """Prompts (B, T) once; the `repeats` rows of a group then share that prompt's cache (read,
         not copied: see :func:`grouped_prefix_attention`); last logits (B*r, V)."""
         B, T = input_ids.shape
-        if repeats == 1:
-            self.cache = self.model.new_cache(B, self.max_len, self.dtype)
-            return self.model(input_ids, attention_mask, position_ids, cache=self.cache, last_only=True)[:, -1]
+        if repeats == 1 or not fastpaths.enabled():  # plain: every row gets its own copy of the prompt's keys
+            cache = self.model.new_cache(B, self.max_len, self.dtype)
+            logits = self.model(input_ids, attention_mask, position_ids, cache=cache, last_only=True)[:, -1]
+            self.cache = cache if repeats == 1 else cache.repeat_interleave(repeats)
+            return logits.repeat_interleave(repeats, dim=0)  # (N, V)
         prompts = self.model.new_cache(B, T, self.dtype)
         logits = self.model(input_ids, attention_mask, position_ids, cache=prompts, last_only=True)  # (B, 1, V)
         self.cache = prompts.share_prefix(self.model.config, repeats, self.max_len - T)
@@ -424,3 +392,21 @@ class GPTDecoder:
         """Append one token per row (N,) at `positions` (N,); next-token logits (N, V)."""
         logits = self.model(tokens[:, None], None, positions[:, None], cache=self.cache, last_only=True)
         return logits[:, -1]
+
+
+class GPTOps:
+    """What :class:`~pipeline.model.policy.Policy` needs from this backend (see there)."""
+
+    @staticmethod
+    def logits(runner, input_ids, attention_mask, logits_from: int) -> torch.Tensor:
+        return runner(input_ids, attention_mask, logits_from=logits_from)
+
+    shared_prompt_logits = staticmethod(shared_prompt_logits)
+
+    @staticmethod
+    def decoder(module: GPT, max_len: int, dtype: torch.dtype | None) -> GPTDecoder:
+        return GPTDecoder(module, max_len, dtype)
+
+    @staticmethod
+    def max_len(module: GPT) -> int:
+        return module.config.block_size

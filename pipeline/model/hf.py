@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from pipeline.model.gpt import grouped_prefix_attention
+from pipeline.model import fastpaths
+from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
 
 
 class HFTokenizer:
@@ -113,7 +114,7 @@ _active: list[HFDecoder] = []  # the decoder whose step is running (read by the 
 
 def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """One decode step of N = B*G rows as a transformers attention function: the B distinct prompts'
-    keys are read once per group (:func:`pipeline.model.gpt.grouped_prefix_attention`, the same
+    keys are read once per group (:func:`pipeline.model.attention.grouped_prefix_attention`, the same
     math as the GPT decoder's), the row's own response keys as usual.
 
     query (N, H, 1, D); key/value (N, Hkv, t, D): the response positions so far (this step's
@@ -168,11 +169,12 @@ class HFDecoder:
         self.max_len = max_len
         cfg = model.config
         if shared_prefix is None:
-            shared_prefix = (getattr(cfg, "model_type", None) in _SHARED_PREFIX_TYPES
+            shared_prefix = (fastpaths.enabled() and getattr(cfg, "model_type", None) in _SHARED_PREFIX_TYPES
                              and not getattr(cfg, "sub_configs", None)
                              and not getattr(cfg, "add_cross_attention", False))
         self.shared = shared_prefix
-        self.static = not self.shared and bool(getattr(model, "_can_compile_fullgraph", False))
+        self.static = (fastpaths.enabled() and not self.shared
+                       and bool(getattr(model, "_can_compile_fullgraph", False)))
         if self.static:
             self.cache = StaticCache(config=cfg, max_cache_len=max_len)
         else:
@@ -241,6 +243,29 @@ class HFDecoder:
         self.cache.length += 1
         self.length += 1
         return out.logits[:, -1]
+
+
+class HFOps:
+    """What :class:`~pipeline.model.policy.Policy` needs from this backend (see there)."""
+
+    @staticmethod
+    def logits(runner, input_ids, attention_mask, logits_from: int) -> torch.Tensor:
+        T = input_ids.shape[1]
+        keep = {"logits_to_keep": T - logits_from} if logits_from else {}  # the last T - logits_from columns
+        out = runner(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=positions_from_mask(attention_mask), use_cache=False, **keep)
+        return out.logits[:, logits_from:] if out.logits.shape[1] == T else out.logits
+
+    shared_prompt_logits = staticmethod(hf_shared_prefix_logits)
+
+    @staticmethod
+    def decoder(module: nn.Module, max_len: int, dtype: torch.dtype | None) -> HFDecoder:
+        return HFDecoder(module, max_len)
+
+    @staticmethod
+    def max_len(module: nn.Module) -> int | None:
+        cfg = module.config
+        return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
 def gpt_to_llama(gpt) -> nn.Module:

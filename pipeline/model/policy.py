@@ -3,12 +3,18 @@
 A :class:`Policy` wraps a module (the from-scratch :class:`~pipeline.model.gpt.GPT` or any
 transformers causal LM), its tokenizer, the device and the compute dtype:
 
-- ``policy.logits(input_ids, attention_mask) -> (B, T, V)``: padding-invariant (positions come
-  from the mask), under bf16 autocast where configured, with grad if grad is enabled;
+- ``policy.logits(input_ids, attention_mask, logits_from=0) -> (B, T - logits_from, V)``:
+  padding-invariant (positions come from the mask), under bf16 autocast where configured, with
+  grad if grad is enabled; columns before `logits_from` skip the vocabulary projection;
+- ``policy.token_logprobs(input_ids, attention_mask, temperature, start=, group_size=) -> (N, T)``:
+  the per-token log-probs of the GRPO ratio and KL (see the method);
 - ``policy.decoder(max_len)``: a KV-cached incremental decoder (``prefill``/``step``) for rollout;
 - what a trainer needs: ``.module`` (for the optimizer / DDP), ``.runner`` (what ``logits`` calls:
   the module, or a DDP / ``torch.compile`` wrapper of it), ``.train()``/``.eval()``,
   ``.state_dict()``, ``.frozen_copy()`` (the reference model), ``.num_params()``.
+
+What differs per backend sits in one small ops class each (``GPTOps`` in ``pipeline.model.gpt``,
+``HFOps`` in ``pipeline.model.hf``); nothing above this module names a backend to compute.
 
 Weights stay fp32 (master weights for AdamW); ``dtype`` only picks the autocast dtype:
 ``auto`` is bf16 on CUDA and fp32 on CPU.
@@ -24,7 +30,10 @@ import torch
 import torch.nn as nn
 
 from pipeline.config import ModelConfig
-from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, positions_from_mask
+from pipeline.model import fastpaths
+from pipeline.model.attention import positions_from_mask
+from pipeline.model.gpt import GPT, GPTConfig, GPTOps
+from pipeline.model.logprobs import gather_logprobs
 from pipeline.tokenizer import ANSWER_CLOSE
 
 
@@ -54,6 +63,12 @@ class Policy:
         self.tokenizer = tokenizer
         self.autocast_dtype = resolve_autocast(model_cfg.dtype, self.device)
         self.runner = torch.compile(self.module) if model_cfg.compile else self.module
+        if self.backend == "gpt":
+            self._ops = GPTOps
+        else:
+            from pipeline.model.hf import HFOps
+
+            self._ops = HFOps
 
     # ------------------------------------------------------------------ forward
 
@@ -62,31 +77,54 @@ class Policy:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids and 0/1 mask -> (B, T, V) next-token logits."""
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_from: int = 0) -> torch.Tensor:
+        """(B, T) token ids and 0/1 mask -> (B, T - logits_from, V) next-token logits."""
         with self.autocast():
-            if self.backend == "gpt":
-                return self.runner(input_ids, attention_mask)
-            positions = positions_from_mask(attention_mask)
-            out = self.runner(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=positions, use_cache=False)
-            return out.logits
+            return self._ops.logits(self.runner, input_ids, attention_mask, logits_from)
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                       *, start: int = 1, group_size: int = 1) -> torch.Tensor:
+        """(N, T) log p(input_ids[:, t] | input_ids[:, :t]) at `temperature` for t >= `start`; 0 in
+        the columns before `start` (column 0 always) and at pads. Differentiable when grad is enabled.
+
+        `start`: the first wanted column (GRPO: the response start); the vocabulary projection and
+        log-softmax of earlier columns are skipped, most of the (N, T, V) work when prompts are
+        longer than responses. `group_size`: rows come in groups of that many whose first `start`
+        columns agree (a rollout's layout; checked, other batches take the plain path); on the fast
+        path each group's prompt then runs once and its responses on its keys/values, repeated per
+        row (same values and gradients; DDP and torch.compile take the plain path).
+        Memory: the fp32 logits of the wanted columns, (N, T - start, V), and no log-softmax of them.
+        """
+        T = input_ids.shape[1]
+        start = max(1, min(start, T))
+        if not (fastpaths.enabled() and self._shares_prompt(input_ids, attention_mask, start, group_size)):
+            logits = self.logits(input_ids, attention_mask, logits_from=start - 1)[:, :-1]  # (N, T-start, V)
+        else:
+            with self.autocast():
+                logits = self._ops.shared_prompt_logits(self.module, input_ids, attention_mask,
+                                                        positions_from_mask(attention_mask), start, group_size)
+        return gather_logprobs(logits, input_ids, attention_mask, temperature, start)
+
+    def _shares_prompt(self, input_ids, attention_mask, start: int, group: int) -> bool:
+        """The module runs directly (not DDP / compiled: those need one forward per backward), and
+        rows come in groups whose first `start` columns agree."""
+        N = input_ids.shape[0]
+        if group <= 1 or start <= 1 or N % group or self.runner is not self.module:
+            return False
+        for t in (input_ids[:, :start], attention_mask[:, :start]):
+            g = t.reshape(N // group, group, start)
+            if not torch.equal(g, g[:, :1].expand_as(g)):
+                return False
+        return True
 
     def decoder(self, max_len: int):
         """A fresh KV-cached decoder for sequences of at most `max_len` positions."""
-        if self.backend == "gpt":
-            return _Autocasting(GPTDecoder(self.module, max_len, self.autocast_dtype), self)
-        from pipeline.model.hf import HFDecoder
-
-        return _Autocasting(HFDecoder(self.module, max_len), self)
+        return _Autocasting(self._ops.decoder(self.module, max_len, self.autocast_dtype), self)
 
     @property
     def max_len(self) -> int | None:
         """Longest context the model supports (positions), if it says."""
-        if self.backend == "gpt":
-            return self.module.config.block_size
-        cfg = self.module.config
-        return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        return self._ops.max_len(self.module)
 
     @property
     def stop_ids(self) -> list[int]:

@@ -41,7 +41,6 @@ from pipeline.model.policy import Policy
 from pipeline.progress import progress_bar
 from pipeline.resume import load_resume, resume_key, save_resume
 from pipeline.rewards.verifiers import reward_for
-from pipeline.rollout import compute_logprobs
 from pipeline.tracking import Logger, stage_logger
 from pipeline.training import build_optimizer, count_nonfinite, lr_at, set_lr, step_if_finite
 
@@ -240,10 +239,8 @@ def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, st
     with torch.inference_mode():
         # One optimizer step per iteration: the policy has not moved since sampling, so
         # old = new.detach() exactly (TRL does the same); otherwise recompute under no grad.
-        old = None if single_step else compute_logprobs(run.policy, ids, attn, g.temperature, start=start,
-                                                        group_size=G)
-        ref = (compute_logprobs(run.ref, ids, attn, g.temperature, start=start, group_size=G)
-               if run.ref is not None else None)
+        old = None if single_step else run.policy.token_logprobs(ids, attn, g.temperature, start=start, group_size=G)
+        ref = run.ref.token_logprobs(ids, attn, g.temperature, start=start, group_size=G) if run.ref else None
     return old, ref
 
 
@@ -257,8 +254,8 @@ def update(policy: Policy, optimizer: torch.optim.Optimizer, g: GRPOConfig, batc
     for _ in range(g.grpo_epochs):
         for s in range(0, n, mb):
             sl = slice(s, s + mb)
-            new_lp = compute_logprobs(policy, batch.input_ids[sl], batch.attention_mask[sl], g.temperature,
-                                      start=batch.start, group_size=G)
+            new_lp = policy.token_logprobs(batch.input_ids[sl], batch.attention_mask[sl], g.temperature,
+                                           start=batch.start, group_size=G)
             old = new_lp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
             ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
             resp = batch.response_mask[sl]

@@ -1,0 +1,38 @@
+"""One switch for the optimisations that change speed, not results.
+
+Each optimised call site keeps the plain computation beside it, written first, and takes the
+fast one only while :func:`enabled` is true (the default). ``with plain():`` runs the plain
+path everywhere, so one equivalence test can run the same work both ways
+(tests/test_fastpaths.py) besides the per-site tests. The sites:
+
+- rollout decode on CPU fp32: linear weights packed once for MKL (``pipeline.model.packed``);
+- token draws: one uniform per row through a blocked inverse CDF instead of ``torch.multinomial``
+  (the same distribution, other draws);
+- decoding G samples per prompt: the prompt's keys read once per group instead of G copies
+  (both backends' decoders), and a transformers ``StaticCache`` where the model supports one;
+- GRPO log-prob passes: each group's shared prompt run once (``Policy.token_logprobs``);
+- log p(target): a fused backward instead of autograd's graph of log-softmax and gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+_enabled = True
+
+
+def enabled() -> bool:
+    """Whether the fast paths are on (they are unless inside :func:`plain`)."""
+    return _enabled
+
+
+@contextlib.contextmanager
+def plain() -> Iterator[None]:
+    """Within the block every site takes its plain path."""
+    global _enabled
+    saved, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = saved
