@@ -40,7 +40,7 @@ endif
 	$(BIN)/dvc metrics show
 
 # Tests read GSM8K from the committed fixture (tests/fixtures/gsm8k) and never contact a hub.
-TEST_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(CURDIR)/$(BIN):$$PATH"
+TEST_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(abspath $(BIN)):$$PATH"
 
 test: setup
 	$(TEST_ENV) $(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)

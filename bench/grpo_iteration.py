@@ -22,7 +22,7 @@ after the iterations in the same process (the larger is used). On CUDA (``model.
 cuda, e.g. ``--params configs/gpu.yaml``) it is the best bf16 ``torch.mm`` of 8192x8192 on the GPU
 instead, the weight-matmul ceiling is taken in bf16 there too, and the figures add MFU against the
 GPU's datasheet dense bf16 peak where known (H100/H200 SXM: 989.4 TFLOP/s) and
-``torch.cuda.max_memory_allocated``. ``bench/device_check.sh`` runs it on a lent GPU machine.
+``torch.cuda.max_memory_allocated``. ``bench/device_check.sh`` runs it eager and compiled on a GPU.
 
     .venv/bin/python bench/grpo_iteration.py [--params params.yaml] [--set grpo.group_size=16 ...]
         [--gsm8k PATH] [--threads 1] [--iters 1] [--ab-full-logits] [--ab-shared-prompt]

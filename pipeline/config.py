@@ -96,7 +96,7 @@ class ModelConfig:
 class SFTConfig:
     steps: int = 1850
     """Optimizer steps of supervised fine-tuning (a warm start: 2000 gives a stronger SFT and a smaller
-    GRPO gain, docs/tuning.md session 7)."""
+    GRPO gain, docs/results/cpu-defaults.md)."""
     batch_size: int = 16
     """Sequences per step."""
     lr: float = 3e-3
@@ -124,7 +124,7 @@ class SFTConfig:
 @dataclass
 class GRPOConfig:
     iterations: int = 20
-    """GRPO iterations (for the warmup section this is the seed's `curriculum_iters`)."""
+    """GRPO iterations."""
     prompts_per_iter: int = 8
     """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
     group_size: int = 8
@@ -148,9 +148,9 @@ class GRPOConfig:
     kl_coef: float = 0.04
     """beta: weight of the k3 KL to the frozen reference (the SFT checkpoint)."""
     adv_norm: Literal["group", "batch", "none"] = "group"
-    """Advantage scaling: per-group std (seed), batch std, or none (Dr. GRPO)."""
+    """Advantage scaling: per-group std (GRPO), batch std, or none (Dr. GRPO)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """Loss aggregation: token-mean (seed), seq-mean-token-mean (DeepSeekMath), Dr. GRPO."""
+    """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (DeepSeekMath), Dr. GRPO."""
     importance: Literal["token", "sequence"] = "token"
     """Importance ratio per token (GRPO) or per sequence (GSPO)."""
     temperature: float = 1.0
@@ -189,7 +189,7 @@ class GRPOConfig:
 class WarmupConfig(GRPOConfig):
     # the curriculum's own defaults: short arithmetic answers, more prompts, a longer run
     iterations: int = 200
-    """GRPO iterations on the arithmetic curriculum (the seed's `curriculum_iters`); 2.4-3.6 s each on 1 CPU core."""
+    """GRPO iterations on the arithmetic curriculum."""
     prompts_per_iter: int = 16
     """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
     lr: float = 1e-4
