@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -58,6 +59,11 @@ class DataConfig:
     """Worked arithmetic solutions: column by column with carries (`digits`) or one line per operation."""
     prompt_template: str = DEFAULT_TEMPLATE
     """The one prompt template for every task; must contain `{question}`."""
+    chat_template: bool = False
+    """Render each prompt with the model tokenizer's chat template (hf backend): `system_prompt`, then the
+    filled `prompt_template` (the question and the answer-format instruction) as the user turn."""
+    system_prompt: str = ""
+    """System turn of the chat template; empty: none."""
     vocab_size: int = 2048
     """Vocabulary size of the byte-level BPE trained for the from-scratch GPT."""
     seed: int = 0
@@ -88,6 +94,18 @@ class ModelConfig:
     """Compute dtype: `auto` is bf16 autocast on CUDA and fp32 on CPU."""
     compile: bool = False
     """Wrap the model in torch.compile (worth it on GPU only)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weight dtype: float32 (AdamW master weights, autocast picks the compute dtype) or bfloat16 (half the
+    memory; checkpoints are saved in this dtype)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them (hf backend): less memory, ~30% more time."""
+    lora_rank: int = 0
+    """LoRA adapter rank (hf backend, needs `peft`); 0 trains every weight. The KL reference is the base
+    model with the adapters off, and the saved checkpoint has the adapters merged in."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is alpha / rank * B A)."""
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names that get LoRA adapters (peft `target_modules`)."""
     num_threads: int = 1
     """torch intra-op CPU threads; 0 = torch's default (one per core). The tiny default runs fastest on 1."""
 
@@ -161,6 +179,9 @@ class GRPOConfig:
     """Top-k sampling; 0 disables it."""
     rollout_len: int = 128
     """Maximum new tokens per completion."""
+    reward: str = ""
+    """Verifier: empty = the built-in one of each row's source (gsm8k, arith); `module:function` = a user's
+    own `(completion, gold) -> float`, imported by name."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
     dynamic_sampling: bool = False
@@ -242,6 +263,9 @@ class EvalConfig:
     """Sampling temperature for pass@k / maj@k."""
     top_p: float = 1.0
     """Nucleus threshold for pass@k / maj@k."""
+    reward: str = ""
+    """Verifier: empty = the built-in one of each row's source; `module:function` = a user's own
+    `(completion, gold) -> float` (a completion is correct when it scores at least 1)."""
     seed: int = 0
     """Seed for the sampling metrics."""
 
@@ -276,6 +300,14 @@ class Config:
 
 # --------------------------------------------------------------------------- validation
 
+_REWARD_SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
+
+
+def is_reward_spec(spec: str) -> bool:
+    """Empty, or `module:function` with dotted identifiers (imported by name, never evaluated)."""
+    return spec == "" or _REWARD_SPEC.fullmatch(spec) is not None
+
+
 def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
     """(key, ok, what is allowed) for every range rule; derived checks live here only."""
     d, m, s, e = cfg.data, cfg.model, cfg.sft, cfg.evaluate
@@ -297,6 +329,16 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("model.device", m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"),
          "auto, cpu, cuda or cuda:N"),
         ("model.backend", m.backend == "gpt" or bool(m.init), "model.init set to a HF model id or folder"),
+        ("data.chat_template", not d.chat_template or m.backend == "hf",
+         "true only with model.backend hf (the template is the HF tokenizer's)"),
+        ("model.lora_rank", m.lora_rank >= 0 and (m.lora_rank == 0 or m.backend == "hf"),
+         "an integer >= 0 (0 = off); LoRA needs model.backend hf"),
+        ("model.lora_alpha", m.lora_alpha > 0, "a number > 0"),
+        ("model.lora_targets", bool(m.lora_targets) and all(t.strip() for t in m.lora_targets),
+         "a non-empty list of module names, e.g. [q_proj, v_proj]"),
+        ("model.gradient_checkpointing", not m.gradient_checkpointing or m.backend == "hf",
+         "true only with model.backend hf"),
+        ("evaluate.reward", is_reward_spec(e.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
         ("sft.steps", s.steps >= 0, "an integer >= 0"),
         ("sft.batch_size", s.batch_size >= 1, "an integer >= 1"),
         ("sft.lr", s.lr > 0, "a number > 0"),
@@ -350,6 +392,7 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
             (f"{name}.save_every", g.save_every >= 1, "an integer >= 1"),
             (f"{name}.keep_last", g.keep_last >= 1, "an integer >= 1"),
             (f"{name}.nproc", g.nproc >= 1, "an integer >= 1"),
+            (f"{name}.reward", is_reward_spec(g.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
         ]
     w = cfg.warmup
     rules += [

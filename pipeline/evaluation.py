@@ -28,7 +28,7 @@ from typing import Any
 
 from pipeline.files import write_bytes_atomic
 from pipeline.rewards.parsing import extract_answer
-from pipeline.rewards.verifiers import answers_match, has_well_formed_answer, reward_for
+from pipeline.rewards.verifiers import Verifier, answers_match, has_well_formed_answer, score
 
 DECIMALS = 4
 TASKS = ("gsm8k", "arith")
@@ -36,24 +36,24 @@ TASKS = ("gsm8k", "arith")
 
 # --------------------------------------------------------------------------- scoring
 
-def score_completion(text: str, gold: float, source: str = "gsm8k") -> dict[str, Any]:
+def score_completion(text: str, gold: float, source: str = "gsm8k",
+                     verifier: Verifier | None = None) -> dict[str, Any]:
     """Parsed answer, reward, correctness and format of one completion (the training verifier).
 
-    `source` picks the verifier exactly as training does (`reward_for(row["source"])`).
+    `source` picks the verifier exactly as training does (`reward_for(row["source"])`); a user's
+    `verifier` (``evaluate.reward``) replaces it, and a completion is then correct when it scores >= 1.
     """
     parsed = extract_answer(text)
-    return {
-        "parsed": parsed,
-        "reward": float(reward_for(source)(text, gold)),
-        "correct": parsed is not None and bool(answers_match(parsed, gold)),
-        "well_formed": bool(has_well_formed_answer(text)),
-    }
+    reward = float(score(text, gold, source, verifier))
+    correct = reward >= 1.0 if verifier is not None else parsed is not None and bool(answers_match(parsed, gold))
+    return {"parsed": parsed, "reward": reward, "correct": correct, "well_formed": bool(has_well_formed_answer(text))}
 
 
-def score_completions(texts: Sequence[str], golds: Sequence[float], source: str = "gsm8k") -> list[dict[str, Any]]:
+def score_completions(texts: Sequence[str], golds: Sequence[float], source: str = "gsm8k",
+                      verifier: Verifier | None = None) -> list[dict[str, Any]]:
     if len(texts) != len(golds):
         raise ValueError(f"{len(texts)} completions but {len(golds)} golds")
-    return [score_completion(t, g, source) for t, g in zip(texts, golds)]
+    return [score_completion(t, g, source, verifier) for t, g in zip(texts, golds)]
 
 
 def mean(values: Iterable[float | bool]) -> float:
@@ -107,9 +107,10 @@ def maj_correct(answers: Sequence[float | None], gold: float) -> bool:
     return winner is not None and bool(answers_match(winner, gold))
 
 
-def sample_stats(texts: Sequence[str], gold: float, k: int, source: str = "gsm8k") -> dict[str, Any]:
+def sample_stats(texts: Sequence[str], gold: float, k: int, source: str = "gsm8k",
+                 verifier: Verifier | None = None) -> dict[str, Any]:
     """Per-problem sampling figures from its n sampled completions (pass@k with k <= n)."""
-    scored = score_completions(texts, [gold] * len(texts), source)
+    scored = score_completions(texts, [gold] * len(texts), source, verifier)
     c = sum(r["correct"] for r in scored)
     winner = majority_vote([r["parsed"] for r in scored])
     return {

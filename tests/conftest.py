@@ -86,29 +86,44 @@ def gpt_policy(tiny_tokenizer):
     return build_policy(tiny_model_config(), tiny_tokenizer)
 
 
-def save_tiny_hf(folder, kind: str, tokenizer) -> str:
-    """Build a tiny GPT-2 or Llama from a config, save it with a HF tokenizer; return the folder."""
+# A ChatML-style template (Qwen's layout) whose end-of-turn is the tokenizer's eos token.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_hf(folder, kind: str, tokenizer, chat_template: str | None = None, max_positions: int = 128) -> str:
+    """Build a tiny GPT-2, Llama or Qwen2 (GQA: 4 query heads, 2 key/value heads) from a config and save
+    it with a HF tokenizer (with `chat_template` if given); return the folder."""
     import torch
     from tokenizers import Tokenizer
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                              Qwen2Config, Qwen2ForCausalLM)
 
     from pipeline.tokenizer import EOS, PAD
 
     torch.manual_seed(0)
     V = tokenizer.vocab_size
     if kind == "gpt2":
-        cfg = GPT2Config(vocab_size=V, n_positions=128, n_embd=32, n_layer=2, n_head=2,
+        cfg = GPT2Config(vocab_size=V, n_positions=max_positions, n_embd=32, n_layer=2, n_head=2,
                          bos_token_id=tokenizer.eos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
         model = GPT2LMHeadModel(cfg)
     elif kind == "llama":
         cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                           bos_token_id=tokenizer.eos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
         model = LlamaForCausalLM(cfg)
+    elif kind == "qwen2":  # q/k/v biases, untied head
+        cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                          tie_word_embeddings=False, use_sliding_window=False,
+                          bos_token_id=tokenizer.eos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        model = Qwen2ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.to_str()),
                                      pad_token=PAD, eos_token=EOS)
+    if chat_template is not None:
+        hf_tok.chat_template = chat_template
     model.save_pretrained(folder)
     hf_tok.save_pretrained(folder)
     return str(folder)
@@ -116,9 +131,10 @@ def save_tiny_hf(folder, kind: str, tokenizer) -> str:
 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory, tiny_tokenizer):
-    """{'gpt2': folder, 'llama': folder} of tiny saved HF models."""
+    """{'gpt2', 'llama', 'qwen2': folder} of tiny saved HF models (Llama and Qwen2 with a chat template)."""
     root = tmp_path_factory.mktemp("hf")
-    return {kind: save_tiny_hf(root / kind, kind, tiny_tokenizer) for kind in ("gpt2", "llama")}
+    return {kind: save_tiny_hf(root / kind, kind, tiny_tokenizer, None if kind == "gpt2" else CHAT_TEMPLATE)
+            for kind in ("gpt2", "llama", "qwen2")}
 
 
 @pytest.fixture(params=["gpt", "gpt-learned", "hf-gpt2", "hf-llama"])

@@ -47,8 +47,9 @@ def test_stages_commands_and_params_mirror_the_config():
     sections = set(Config().to_dict())
     for name, st in stages.items():
         assert st["cmd"] == f"python -m pipeline {name}"
-        assert set(st["params"]) <= sections and "tracking" not in st["params"]
-    assert stages["prepare"]["params"] == ["data"]
+        assert {p.split(".")[0] for p in st["params"]} <= sections and "tracking" not in st["params"]
+    # the hf backend's prepare uses the model's own tokenizer (and chat template): those two model keys
+    assert stages["prepare"]["params"] == ["data", "model.backend", "model.init"]
     for name in ("sft", "warmup", "grpo", "evaluate"):
         assert name in stages[name]["params"] or name == "evaluate" and "evaluate" in stages[name]["params"]
 
@@ -99,7 +100,7 @@ def test_repro_prepare_then_nothing_to_do(tmp_path):
     assert ran(first) == ["prepare"]
     assert (repo / "data" / "tokenizer.json").is_file() and (repo / "dvc.lock").is_file()
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["prepare"]
-    assert set(lock["params"]["params.yaml"]) == {"data"}
+    assert set(lock["params"]["params.yaml"]) == {"data", "model.backend", "model.init"}
     # importing the pipeline writes bytecode next to the code deps: it must not invalidate the stage
     subprocess.run([sys.executable, "-c", "import pipeline.stages.prepare"], cwd=repo, env=DVC_ENV, check=True)
     second = sh(repo, "dvc", "repro", "prepare")

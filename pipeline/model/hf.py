@@ -45,6 +45,14 @@ class HFTokenizer:
         ids = [int(i) for i in ids if i != self.pad_id and i != self.eos_id]
         return self.hf.decode(ids, skip_special_tokens=False)
 
+    def chat_prompt(self, user: str, system: str = "") -> str:
+        """`user` as the user turn (after a `system` turn if given), rendered with the tokenizer's chat
+        template with the assistant turn opened: the text the model continues."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError(f"tokenizer {getattr(self.hf, 'name_or_path', '')!r} has no chat template")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def token_id(self, token: str) -> int | None:
         """Id of `token` if it is a single token of the vocabulary, else None."""
         i = self.hf.convert_tokens_to_ids(token)
@@ -62,17 +70,25 @@ class HFTokenizer:
         return backend.to_str() if backend is not None else None
 
 
-def load_hf(init: str | Path) -> tuple[nn.Module, HFTokenizer]:
-    """fp32 model and tokenizer from a local folder or a hub id (compute dtype is set by autocast)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def load_hf_tokenizer(init: str | Path) -> HFTokenizer:
+    """The tokenizer of a local folder or hub id (pad = eos where it has no pad token)."""
+    from transformers import AutoTokenizer
 
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(init))
     if tok.pad_token_id is None:  # many causal LMs ship without a pad token
         tok.pad_token = tok.eos_token
-    return model, HFTokenizer(tok)
+    return HFTokenizer(tok)
+
+
+def load_hf(init: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, HFTokenizer]:
+    """Model (weights in `dtype`; the compute dtype is set by autocast) and tokenizer from a local
+    folder or a hub id."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(init), dtype=dtype)
+    return model, load_hf_tokenizer(init)
 
 
 def _cache_kwarg(model: nn.Module) -> str:

@@ -3,11 +3,21 @@
 Correctness dominates (+1.0); a small format bonus (+0.2) rewards exactly one well-formed
 `<answer>N</answer>` block; the sum is clipped at 1.2. The bonus stays small so a small model
 cannot farm it: an empty or non-numeric tag earns nothing (the reward hack the seed warns about).
+
+Plug-in: ``grpo.reward`` / ``warmup.reward`` / ``evaluate.reward`` = ``"module:function"`` names a
+user's own ``(completion, gold) -> float`` (for another dataset with checkable answers). It is
+imported by name with :mod:`importlib` (never evaluated), checked once at stage start, and every
+score it returns must be a finite number. Empty: the built-in verifier of each row's ``source``.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.errors import InputError
 
 from pipeline.rewards.parsing import ANSWER_CLOSE, ANSWER_OPEN, answer_block, extract_answer, is_single_number, parse_gold
 
@@ -55,3 +65,52 @@ def reward_for(source: str):
         return REWARDS[source]
     except KeyError:
         raise ValueError(f"no verifier for source {source!r}; known: {', '.join(REWARDS)}") from None
+
+
+Verifier = Callable[[str, Any], float]
+
+
+class UserVerifier:
+    """A user's `(completion, gold) -> float`, named `module:function`; scores are checked to be finite numbers."""
+
+    def __init__(self, spec: str, key: str) -> None:
+        module_name, sep, attr = spec.partition(":")
+        if not sep or not module_name or not attr:
+            raise InputError(f"{key} = {spec!r}: expected module:function, e.g. mypkg.rewards:score")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise InputError(f"{key} = {spec!r}: cannot import module {module_name!r} ({exc}); it must be "
+                             f"importable from the working directory or the environment") from None
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise InputError(f"{key} = {spec!r}: module {module_name!r} has no function {attr!r}")
+        self.spec, self.key, self.fn = spec, key, fn
+
+    def __call__(self, completion: str, gold: Any) -> float:
+        value = self.fn(completion, gold)
+        try:
+            score = float(value)
+        except (TypeError, ValueError):
+            score = math.nan
+        if not math.isfinite(score):
+            raise InputError(f"{self.key} = {self.spec!r} returned {value!r}; a verifier returns a finite number")
+        return score
+
+
+def load_verifier(spec: str, key: str) -> UserVerifier | None:
+    """The user's verifier named by `spec` (config key `key`, for messages), or None for the built-in ones."""
+    return UserVerifier(spec, key) if spec else None
+
+
+def rewards_by_source(spec: str, key: str) -> Callable[[str], Verifier]:
+    """A row's `source` -> its reward function: the built-in one, or the user's `spec` for every source."""
+    user = load_verifier(spec, key)
+    return reward_for if user is None else (lambda source: user)
+
+
+def score(completion: str, gold: Any, source: str, verifier: Verifier | None = None) -> float:
+    """The reward of one completion: the user's verifier if given, else the built-in one of `source`."""
+    if verifier is not None:
+        return verifier(completion, gold)
+    return reward_for(source)(completion, gold)

@@ -27,6 +27,7 @@ from pipeline import files
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
 from pipeline.errors import InputError
 from pipeline.generation import generate
+from pipeline.rewards.verifiers import load_verifier
 from pipeline.tracking import stage_logger
 
 TASK_FILES = {"gsm8k": "gsm8k_test.jsonl", "arith": "arith_eval.jsonl"}
@@ -72,12 +73,13 @@ def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
     """Per-example prediction rows of one checkpoint on one task (greedy, plus `samples` sampled
     completions per problem; default `evaluate.samples`)."""
     e = cfg.evaluate
+    verifier = load_verifier(e.reward, "evaluate.reward")
     prompts = [r["prompt"] for r in rows]
     texts, lengths, truncated = generate(policy, prompts, batch_size=e.batch_size,
                                          max_new_tokens=e.max_new_tokens, advance=advance)
     out = []
     for row, text, length, trunc in zip(rows, texts, lengths, truncated):
-        scored = ev.score_completion(text, row["gold"], row.get("source", "gsm8k"))
+        scored = ev.score_completion(text, row["gold"], row.get("source", "gsm8k"), verifier)
         out.append({"id": row.get("id", ""), "question": row.get("question", ""), "gold": row["gold"],
                     "completion": text, **scored, "response_length": length, "truncated": trunc})
     k = e.samples if samples is None else samples
@@ -88,7 +90,7 @@ def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
                                  generator=generator, advance=advance)
         for i, pred in enumerate(out):
             group = sampled[i * k:(i + 1) * k]  # rollouts are group-contiguous
-            pred.update(ev.sample_stats(group, pred["gold"], k, rows[i].get("source", "gsm8k")))
+            pred.update(ev.sample_stats(group, pred["gold"], k, rows[i].get("source", "gsm8k"), verifier))
     return out
 
 
@@ -109,6 +111,7 @@ def run_evaluate(cfg: Config) -> dict[str, Any]:
     data = {"gsm8k": load_rows(Path(DATA_DIR) / TASK_FILES["gsm8k"], e.gsm8k_limit),
             "arith": load_rows(Path(DATA_DIR) / TASK_FILES["arith"], e.arith_limit)}
     stages = list(dict.fromkeys(e.stages))
+    load_verifier(e.reward, "evaluate.reward")  # a bad spec fails before any generation
     folders = {s: checkpoint_folder(s) for s in stages}  # fail before any generation
     # the logger opens first: an unreachable tracking server fails in seconds, before generation
     with stage_logger(cfg, "evaluate") as log:

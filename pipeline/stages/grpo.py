@@ -40,7 +40,7 @@ from pipeline.grpo import group_advantages, grpo_loss, informative_fraction
 from pipeline.model.policy import Policy
 from pipeline.progress import progress_bar
 from pipeline.resume import load_resume, resume_key, save_resume
-from pipeline.rewards.verifiers import reward_for
+from pipeline.rewards.verifiers import rewards_by_source
 from pipeline.tracking import Logger, stage_logger
 from pipeline.training import build_optimizer, count_nonfinite, lr_at, set_lr, step_if_finite
 
@@ -111,8 +111,10 @@ class GRPORun:
 
 # --------------------------------------------------------------------------- the loop
 
-def run_grpo(cfg: Config, stage: str, verifier: Verifier = reward_for) -> dict[str, Any]:
-    """Run the `warmup` or `grpo` stage; `verifier` maps a row's source to its reward function."""
+def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[str, Any]:
+    """Run the `warmup` or `grpo` stage; `verifier` maps a row's source to its reward function
+    (default: the built-in ones, or the user's `<stage>.reward`)."""
+    verifier = verifier or rewards_by_source(getattr(cfg, stage).reward, f"{stage}.reward")  # fails fast
     run = setup(cfg, stage)
     g, is_main = run.g, run.rank == 0
     key = compatibility_key(run)

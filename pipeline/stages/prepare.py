@@ -106,15 +106,18 @@ def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     splits = {"gsm8k_train": gsm_train, "gsm8k_val": gsm_val, "gsm8k_test": gsm_test,
               "arith_train": arith_train, "arith_eval": arith_eval}
 
-    # Prompt and response are separate texts, as they are tokenized separately (no merge across them).
-    corpus = [t for r in gsm_train + arith_train for t in (r["prompt"], response_text(r["solution"]))]
-    tok = train_tokenizer(corpus, d.vocab_size)
+    tok = _tokenizer(cfg, gsm_train + arith_train)
+    if d.chat_template:  # every task's prompt, evaluation's included: the same template
+        _render_chat(splits, tok, cfg)
 
     stats = _stats(d, raw, splits, bad_train, bad_test, tok)
     with replaced_dir(out) as tmp:  # all of data/ appears at once, or the old one stays
         for name, rows in splits.items():
             write_jsonl(tmp / f"{name}.jsonl", rows)
-        tok.save(tmp)
+        if cfg.model.backend == "gpt":
+            tok.save(tmp)
+        else:
+            _save_hf_tokenizer_json(tok, tmp)
         write_json_atomic(tmp / "stats.json", stats)
     paths = {name: str(out / f"{name}.jsonl") for name in splits}
     paths["tokenizer"], paths["stats"] = str(out / TOKENIZER_FILE), str(out / "stats.json")
@@ -136,3 +139,36 @@ def _stats(d, raw, splits, bad_train: list[BadRow], bad_test: list[BadRow], tok)
         "vocab_size": tok.vocab_size,
         "token_lengths": {name: token_stats(tok, rows) for name, rows in splits.items()},
     }
+
+
+def _tokenizer(cfg: Config, train_rows: list[dict[str, Any]]):
+    """The gpt backend's byte-level BPE, trained here; the hf backend's own tokenizer (no BPE trained)."""
+    if cfg.model.backend == "hf":
+        from pipeline.model.hf import load_hf_tokenizer
+
+        try:
+            return load_hf_tokenizer(cfg.model.init)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"model.init = {cfg.model.init!r}: cannot load its tokenizer "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    # Prompt and response are separate texts, as they are tokenized separately (no merge across them).
+    corpus = [t for r in train_rows for t in (r["prompt"], response_text(r["solution"]))]
+    return train_tokenizer(corpus, cfg.data.vocab_size)
+
+
+def _render_chat(splits: dict[str, list[dict[str, Any]]], tok, cfg: Config) -> None:
+    """Each row's prompt (the filled template: question + answer-format instruction) becomes the user
+    turn of the tokenizer's chat template, after `data.system_prompt`."""
+    try:
+        for rows in splits.values():
+            for r in rows:
+                r["prompt"] = tok.chat_prompt(r["prompt"], cfg.data.system_prompt)
+    except ValueError as exc:
+        raise InputError(f"data.chat_template = true but {exc} (model.init = {cfg.model.init!r}); "
+                         f"set data.chat_template: false") from None
+
+
+def _save_hf_tokenizer_json(tok, out: Path) -> Path:
+    """data/tokenizer.json for the hf backend: the model tokenizer's own serialisation (for the record)."""
+    text = tok.to_str() or json.dumps({"hf_tokenizer": getattr(tok.hf, "name_or_path", "")})
+    return write_bytes_atomic(out / TOKENIZER_FILE, text.encode("utf-8"))
