@@ -21,6 +21,11 @@ on ``cuda`` (the device guard aborts the process). So the accelerator is simulat
   a real CPU generator recorded as the accelerator's (the one stand-in: for hardware this machine
   lacks, not for the code under test).
 
+One difference from a GPU: torch skips copies into parameters that report ``meta``
+(``load_state_dict`` warns and leaves them), so a model moved onto the simulated device keeps the
+weights it had, not a checkpoint's loaded afterwards: the values are real, placement is what is
+checked.
+
 A program that passes here places its tensors the way a CUDA run needs; the three GPU crashes of
 the GRPO loop (sampling generator on the CPU, CPU rewards in the loss, CPU tensors in all-reduces)
 each fail here with CUDA's own message.

@@ -293,7 +293,7 @@ def test_sampling_frequencies_match_the_distribution():
     torch.testing.assert_close(freq, torch.tensor([0.7311, 0.2689, 0, 0, 0], dtype=torch.double), atol=0.01, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
 def test_hf_shared_prefix_decoder_equals_the_plain_decoder(kind, hf_dirs, monkeypatch):
     """The HF decoder's shared-prefix path (prompt keys read once per group, response keys only,
     no per-step mask) gives the tokens and log-probs of the plain cache-per-row path; the tiny

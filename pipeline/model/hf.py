@@ -6,8 +6,8 @@ tokenizer to the pipeline's tokenizer interface (``encode``/``decode``/``pad_id`
 its completion encode the same way in SFT, rollout and evaluation.
 
 :class:`HFDecoder` is the incremental-decoding state for the rollout engine: a transformers
-cache filled by one prefill of the distinct prompts, then extended one token per step (Llama and
-GPT-2: the prompts' keys are shared by their group, see :class:`HFDecoder`).
+cache filled by one prefill of the distinct prompts, then extended one token per step (Llama,
+GPT-2 and Qwen2: the prompts' keys are shared by their group, see :class:`HFDecoder`).
 :func:`hf_shared_prefix_logits` is the same idea for the GRPO log-prob passes.
 """
 
@@ -124,7 +124,7 @@ def hf_shared_prefix_logits(model: nn.Module, input_ids, attention_mask, positio
 
 
 _SHARED_PREFIX_ATTN = "grpo_shared_prefix_decode"
-_SHARED_PREFIX_TYPES = ("llama", "gpt2")  # plain causal self-attention, flat config: tested in tests/test_model.py
+_SHARED_PREFIX_TYPES = ("llama", "gpt2", "qwen2")  # plain causal self-attention, flat config (tested)
 _active: list[HFDecoder] = []  # the decoder whose step is running (read by the attention function)
 
 
@@ -164,7 +164,7 @@ class _ResponseCache:
 class HFDecoder:
     """KV-cached incremental decoding of a transformers causal LM.
 
-    Shared prefix (model types in ``_SHARED_PREFIX_TYPES``: Llama, GPT-2): the prompts' keys/values
+    Shared prefix (model types in ``_SHARED_PREFIX_TYPES``: Llama, GPT-2, Qwen2): the prompts' keys/values
     from ONE prefill of the B distinct prompts stay (B, ...) and are read once per group by
     :func:`_shared_prefix_attention`; each of the N = B*G rows only stores its response
     keys/values, and attends to exactly the positions written so far. No per-step mask is built
