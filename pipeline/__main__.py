@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(dump_config(cfg), end="")
         return 0
     from pipeline.errors import InputError
+    from pipeline.files import STORAGE_ERRNOS
     from pipeline.stages import stage_function
 
     # the stages' progress lines (logging.getLogger(__name__)) on stderr; other libraries stay quiet
@@ -104,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"stage": name, **(result or {})}, default=str))
     except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a write no module turned into a StorageError: still one line, not a traceback
+        if exc.errno not in STORAGE_ERRNOS:
+            raise
+        print(f"error: {exc.filename or 'a file'}: cannot write ({os.strerror(exc.errno)}); "
+              "free space or raise the limit and re-run", file=sys.stderr)
         return 2
     return 0
 

@@ -9,5 +9,9 @@ class CheckpointError(InputError):
     """A checkpoint that is missing, truncated, corrupt or does not match the config."""
 
 
+class StorageError(InputError):
+    """A write failed for want of space (disk full, quota, `ulimit -f`); what was there before is intact."""
+
+
 class TrainingDivergedError(RuntimeError):
     """Too many consecutive non-finite steps; the last good checkpoint is left intact."""

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from pipeline.errors import InputError
+from pipeline.errors import InputError, StorageError
 
 
 def sha256(path: str | Path) -> str:
@@ -91,6 +91,26 @@ def read_rows(path: str | Path, limit: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, file size limit (ulimit -f)
+
+
+def raise_if_storage(exc: OSError, path: str | Path) -> None:
+    """Re-raise a disk-full / quota / file-size-limit OSError as one line naming `path`."""
+    if exc.errno in STORAGE_ERRNOS:
+        raise StorageError(f"{path}: cannot write ({os.strerror(exc.errno)}); the previous version, if any, "
+                           "is left intact; free space or raise the limit and re-run") from None
+
+
+@contextlib.contextmanager
+def storage_errors(path: str | Path) -> Iterator[None]:
+    """Turn a storage OSError raised inside the block into a :class:`StorageError` naming `path`."""
+    try:
+        yield
+    except OSError as exc:
+        raise_if_storage(exc, path)
+        raise
+
+
 def ensure_dir(folder: str | Path) -> Path:
     """`folder` (created with its parents); an InputError if it or a parent is a regular file."""
     folder = Path(folder)
@@ -117,6 +137,10 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise_if_storage(exc, path)
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -203,8 +227,9 @@ def replaced_dir(target: str | Path) -> Iterator[Path]:
     tmp = parent / f"{prefix}{os.getpid()}-{os.urandom(3).hex()}"
     tmp.mkdir()
     try:
-        yield tmp
-        _swap_in(tmp, target)
+        with storage_errors(target):
+            yield tmp
+            _swap_in(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -270,7 +295,8 @@ def staged_outputs(name: str) -> Iterator[Callable[[str | Path], Path]]:
         return staged
 
     try:
-        yield stage
+        with storage_errors(staging):
+            yield stage
         for dst in moves.values():  # refuse before anything moves: a file where a folder goes
             ensure_dir(dst.parent)
         write_json_atomic(staging / "journal.json", [[str(s), str(d)] for s, d in moves.items() if s.exists()])
