@@ -34,6 +34,7 @@ def apply_runtime(cfg: Config) -> None:
 
 
 def stage_function(name: str) -> Callable[[Config], dict[str, Any]]:
+    """The stage function, run under the workspace lock with the process-wide runtime applied."""
     if name not in _REGISTRY:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(_REGISTRY)}")
     module, func, args = _REGISTRY[name]
@@ -41,7 +42,10 @@ def stage_function(name: str) -> Callable[[Config], dict[str, Any]]:
 
     @functools.wraps(run)
     def with_runtime(cfg: Config) -> dict[str, Any]:
-        apply_runtime(cfg)
-        return run(cfg, *args)
+        from pipeline.lock import workspace_lock
+
+        with workspace_lock(f"stage {name}"):  # one run per workspace, whoever started it
+            apply_runtime(cfg)
+            return run(cfg, *args)
 
     return with_runtime
