@@ -49,7 +49,7 @@ def machine_line(threads: int) -> str:
 
     import torch
 
-    from pipeline.tracking_mlflow import cpu_model
+    from pipeline.tracking.common import cpu_model
 
     return (f"{cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"load {load_avg()}; torch {torch.__version__}, {threads} thread(s), "

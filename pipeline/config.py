@@ -278,6 +278,10 @@ class TrackingConfig:
     """MLflow tracking URI; the MLFLOW_TRACKING_URI environment variable overrides it."""
     experiment: str = "grpo-gsm8k"
     """MLflow experiment name."""
+    log_model_max_mb: float = 200.0
+    """Log each training stage's final checkpoint to its MLflow run up to this size (MB); 0: never."""
+    registered_model: str = "grpo-policy"
+    """Model Registry name of the grpo checkpoint (a new version per grpo run); empty: no registration."""
 
 
 @dataclass
@@ -362,6 +366,7 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("evaluate.stages", bool(e.stages) and all(x in ("sft", "warmup", "grpo") for x in e.stages),
          "a non-empty list drawn from sft, warmup, grpo"),
         ("tracking.experiment", bool(cfg.tracking.experiment.strip()), "a non-empty name"),
+        ("tracking.log_model_max_mb", cfg.tracking.log_model_max_mb >= 0, "a number >= 0 (0 = never)"),
     ]
     for name in ("warmup", "grpo"):
         g: GRPOConfig = getattr(cfg, name)

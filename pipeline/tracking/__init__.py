@@ -5,39 +5,29 @@ Stages do::
     with stage_logger(cfg, "grpo") as log:
         log.log_params(...); log.log_metrics({"train/reward": r}, step=it)
 
-Metric names are namespaced: ``train/reward``, ``train/kl``, ``train/informative``, ``eval/...``.
+Metric names are namespaced by stage: a stage logger turns the trainer's generic ``train/`` prefix
+into the stage's name, so warmup logs ``warmup/reward`` and grpo ``grpo/kl``; sft logs ``sft/...``
+and evaluation ``eval/<checkpoint>/...``.
 
-Run layout and the parent-run scheme (one parent run per pipeline execution, one nested run per
-stage, found across ``dvc repro`` processes) are documented in :mod:`pipeline.tracking_mlflow`.
-Orchestrators pass context through environment variables, never imports: ``GRPO_PARENT_RUN_ID``
-(the parent run a flow created) and ``GRPO_PREFECT_FLOW_RUN_ID`` (tagged on every run).
+Imports go one way: this facade -> :mod:`pipeline.tracking.mlflow_backend` (the adapter, imported
+lazily, only when tracking is on) -> :mod:`pipeline.tracking.common`; :mod:`pipeline.tracking.compare`
+sits beside the facade. Run layout and lineage: see the adapter's docstring and docs/orchestration.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.config import Config
-from pipeline.errors import InputError
+from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, RUN_NAME_ENV, TrackingUnavailableError,
+                                      git_state, resolve_uri, run_name, temporary_env)
 
-
-@contextlib.contextmanager
-def temporary_env(values: dict[str, str | None]) -> Iterator[None]:
-    """Set environment variables (None or "" leaves one unset) for the block, then restore them."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: str(v) for k, v in values.items() if v})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+__all__ = ["FLOW_RUN_ENV", "PARENT_RUN_ENV", "RUN_NAME_ENV", "Logger", "NullLogger", "TrackingUnavailableError",
+           "end_pipeline_run", "git_state", "resolve_uri", "run_link", "run_name", "stage_logger",
+           "start_pipeline_run", "temporary_env"]
 
 
 class Logger(Protocol):
@@ -67,53 +57,56 @@ class NullLogger:
         pass
 
 
+class StageNamespace:
+    """A :class:`Logger` that files the generic ``train/`` metrics under the stage's name."""
+
+    def __init__(self, inner: Logger, stage: str):
+        self.inner, self.stage = inner, stage
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        named = {f"{self.stage}/{k[len('train/'):]}" if k.startswith("train/") else k: v for k, v in metrics.items()}
+        self.inner.log_metrics(named, step)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 @contextlib.contextmanager
 def stage_logger(cfg: Config, stage: str, enabled: bool = True) -> Iterator[Logger]:
     """A logger for one stage run (nested under the pipeline's parent run when there is one)."""
     if not (enabled and cfg.tracking.enabled):
         yield NullLogger()
         return
-    from pipeline.tracking_mlflow import mlflow_stage_logger  # SDK imported only here
+    from pipeline.tracking.mlflow_backend import mlflow_stage_logger  # SDK imported only here
 
     with mlflow_stage_logger(cfg, stage) as log:
-        yield log
-
-
-class TrackingUnavailableError(InputError):
-    """The MLflow tracking backend cannot be reached; raised before any training starts."""
-
-
-PARENT_RUN_ENV = "GRPO_PARENT_RUN_ID"
-FLOW_RUN_ENV = "GRPO_PREFECT_FLOW_RUN_ID"
+        yield StageNamespace(log, stage)
 
 
 def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str] | None = None) -> str | None:
-    """Open a parent run for one pipeline execution (a flow run); None when tracking is off.
-
-    Raises ``TrackingUnavailableError`` (an ``InputError``) within seconds if the backend is down.
-    """
+    """Open the parent run of one pipeline execution; None when tracking is off. Its id goes to the
+    stages in ``GRPO_PARENT_RUN_ID``. Raises ``TrackingUnavailableError`` in seconds if the backend
+    is down; marks runs a killed process left RUNNING in this workspace KILLED."""
     if not cfg.tracking.enabled:
         return None
-    from pipeline.tracking_mlflow import start_pipeline_run as _start
+    from pipeline.tracking.mlflow_backend import start_pipeline_run as _start
 
     return _start(cfg, name=name, tags=tags)
 
 
 def end_pipeline_run(cfg: Config, run_id: str | None, status: str = "FINISHED") -> None:
-    """Close the parent run opened by :func:`start_pipeline_run` (FINISHED, FAILED or KILLED)."""
-    if run_id is None or not cfg.tracking.enabled:
+    """Close the parent run (FINISHED, FAILED or KILLED), with the stages' final metrics on it."""
+    if not run_id or not cfg.tracking.enabled:
         return
-    from pipeline.tracking_mlflow import end_pipeline_run as _end
+    from pipeline.tracking.mlflow_backend import end_pipeline_run as _end
 
     _end(cfg, run_id, status)
 
 
-def compare_runs(cfg: Config, max_runs: int = 10, all_metrics: bool = False) -> str:
-    """The experiment's pipeline runs side by side (params that differ, final metrics per stage).
+def run_link(cfg: Config, parent_id: str | None, stage: str) -> str | None:
+    """Where to open the newest MLflow run of ``stage`` (under ``parent_id``); None without one."""
+    if not cfg.tracking.enabled:
+        return None
+    from pipeline.tracking.mlflow_backend import run_link as _link
 
-    The CLI counterpart of MLflow's compare view: ``python -m pipeline compare``. Works with
-    ``tracking.enabled: false`` too (it only reads), so smoke configs can list their runs.
-    """
-    from pipeline.tracking_mlflow import compare_text
-
-    return compare_text(cfg, max_runs, all_metrics)
+    return _link(cfg, parent_id, stage)

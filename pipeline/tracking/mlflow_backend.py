@@ -1,54 +1,62 @@
 """MLflow adapter behind :mod:`pipeline.tracking`: the only module that imports the MLflow SDK.
 
-Run layout: one *parent* run per pipeline execution, one nested *stage* run per stage execution
-(MLflow's ``mlflow.parentRunId`` tag), so the UI shows ``pipeline -> prepare, sft, warmup, grpo, evaluate``.
+Run layout. The caller of a pipeline execution (the Prefect flow, ``python -m pipeline all``,
+``make run``) opens one *parent* run and hands its id down in ``GRPO_PARENT_RUN_ID``; each stage
+logs one run nested under it (MLflow's ``mlflow.parentRunId``) and never closes it. A stage with no
+parent (``dvc repro`` or ``python -m pipeline grpo`` by hand) logs one top-level run, tagged with
+its stage, DVC stage and experiment name. Nothing here reads DVC's files.
 
-How a stage finds its parent (every stage may be a separate process, e.g. under ``dvc repro``):
+Tags use MLflow's names: ``mlflow.source.git.commit`` (the commit when the pipeline started: a
+stage copies its parent's), ``mlflow.runName``, ``mlflow.parentRunId``; ours are ``grpo.role``
+(pipeline / stage), ``grpo.stage``, ``grpo.dirty``, ``grpo.workspace``, ``grpo.experiment``.
 
-1. ``GRPO_PARENT_RUN_ID`` set (the Prefect flow creates the parent and exports its id to its
-   tasks): use that run; the flow ends it.
-2. Otherwise the parent is keyed by a tag ``pipeline_run`` = hash(effective config, git commit,
-   DVC experiment name). A stage reuses the newest parent with that key that is not FINISHED
-   (a crashed or killed run re-run with the same params continues in the same parent), or creates
-   one. The last stage (``evaluate``) marks the parent FINISHED, so the next ``dvc repro`` with the
-   same params starts a fresh parent. A changed param gives a new key, hence a new parent holding
-   just the stages DVC re-ran.
+No run stays RUNNING. A stage that raises marks its run FAILED (KILLED on Ctrl-C); a process
+killed outright cannot, so every new run first marks the RUNNING runs of its workspace KILLED:
+the workspace lock (:mod:`pipeline.lock`) guarantees no other run is live there, except the
+caller's own parent.
 
 Failure policy: the tracking backend is probed when a stage starts, *before* any training; an
 unreachable server raises :class:`TrackingUnavailableError` (an ``InputError``: one line, exit 2)
 naming the URI and how to turn tracking off. A failure while logging later warns once and turns
 off calls of the same kind (metrics, tables, artifacts, tags) for that stage: training is never
 lost for the sake of a metric, and a broken artifact store does not take the metrics with it.
+MLflow's own HTTP knobs bound every call: ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (default here 30 s) and
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (default here 2; MLflow's own retries with backoff for minutes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import STAGES, Config
+from pipeline.config import CHECKPOINT_DIR, Config
 from pipeline.errors import InputError
-from pipeline.tracking import FLOW_RUN_ENV, TrackingUnavailableError, temporary_env
-from pipeline.tracking import PARENT_RUN_ENV as PARENT_ENV
+from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, TrackingUnavailableError, experiment_label,
+                                      git_state, resolve_uri, run_name, runtime_tags, temporary_env)
 
 PROBE_TIMEOUT_S = 5.0
-ROLE_TAG = "grpo.role"  # "pipeline" on parents, "stage" on nested stage runs
-KEY_TAG = "pipeline_run"
+ROLE_TAG = "grpo.role"  # "pipeline" on parents, "stage" on stage runs
+STAGE_TAG = "grpo.stage"
+WORKSPACE_TAG = "grpo.workspace"
+COMMIT_TAG = "mlflow.source.git.commit"
+CHECKPOINT_TAG = "grpo.checkpoint_sha256"
+TRAINING_STAGES = ("sft", "warmup", "grpo")
+for _knob, _value in (("MLFLOW_HTTP_REQUEST_TIMEOUT", "30"), ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")):
+    os.environ.setdefault(_knob, _value)  # bounded calls unless the user chose otherwise
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- backend
 
 def tracking_uri(cfg: Config) -> str:
-    """The effective tracking URI: ``MLFLOW_TRACKING_URI`` wins over ``tracking.uri``."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri
+    """The effective URI: ``MLFLOW_TRACKING_URI`` wins over ``tracking.uri``; relative sqlite paths
+    resolve at the repository root."""
+    return resolve_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri)
 
 
 def _unavailable(uri: str, why: str) -> TrackingUnavailableError:
@@ -73,14 +81,14 @@ def probe(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         raise _unavailable(uri, why) from None
 
 
-def _client(uri: str):
+def client_for(uri: str):
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def _no_http_retries():
-    """Make MLflow's REST calls fail fast (its defaults retry with backoff for minutes)."""
+    """Make MLflow's REST calls fail fast while a stage starts (nothing is lost yet)."""
     return temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
                           "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(PROBE_TIMEOUT_S))})
 
@@ -89,14 +97,18 @@ def experiment_id(cfg: Config, client=None) -> str:
     """Id of ``cfg.tracking.experiment``, created if missing; fails fast if the backend is down."""
     uri = tracking_uri(cfg)
     probe(uri)
-    client = client or _client(uri)
+    client = client or client_for(uri)
+    # a model-training experiment: MLflow 3 opens the GenAI traces page on experiments of unknown kind
+    kind = {"mlflow.experimentKind": "custom_model_development"}
     try:
         with _no_http_retries():
             exp = client.get_experiment_by_name(cfg.tracking.experiment)
             if exp is None:
-                return client.create_experiment(cfg.tracking.experiment)
+                return client.create_experiment(cfg.tracking.experiment, tags=kind)
             if exp.lifecycle_stage == "deleted":
                 client.restore_experiment(exp.experiment_id)
+            if "mlflow.experimentKind" not in exp.tags:
+                client.set_experiment_tag(exp.experiment_id, *next(iter(kind.items())))
             return exp.experiment_id
     except InputError:
         raise
@@ -104,78 +116,6 @@ def experiment_id(cfg: Config, client=None) -> str:
         if "already exists" in str(exc):  # created concurrently by another stage process
             return client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
         raise _unavailable(uri, f"{type(exc).__name__}: {exc}") from None
-
-
-def git_commit(cwd: str | Path = ".") -> str | None:
-    """HEAD commit of the working directory's git repo, with ``-dirty`` if tracked files changed."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, check=False, capture_output=True, text=True,
-                              timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, check=False, timeout=10)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _md5_path(path: Path) -> str | None:
-    """md5 of a file, or of a folder's (relative name, md5) list; None if missing."""
-    if path.is_file():
-        h = hashlib.md5()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        return h.hexdigest()
-    if path.is_dir():
-        items = [(str(p.relative_to(path)), _md5_path(p)) for p in sorted(path.rglob("*"))
-                 if p.is_file() and "__pycache__" not in p.parts]
-        return hashlib.md5(json.dumps(items).encode()).hexdigest()
-    return None
-
-
-def dvc_tags(stage: str, cfg: Config, root: str | Path = ".") -> dict[str, str]:
-    """Tags tying a stage run to DVC: stage name, experiment, and hashes of the stage's inputs.
-
-    ``dvc.inputs_md5`` hashes the stage's params sections and its deps as ``dvc.yaml`` lists them;
-    a dep that an upstream stage produced takes the md5 recorded in ``dvc.lock`` (fresh: DVC writes
-    the lock after each stage), anything else (code) is hashed here. ``dvc.lock_md5`` is the md5 of
-    ``dvc.lock`` when the stage started.
-    """
-    import yaml
-
-    root = Path(root)
-    tags: dict[str, str] = {}
-    for env, tag in (("DVC_STAGE", "dvc.stage"), ("DVC_EXP_NAME", "dvc.exp_name"),
-                     ("DVC_EXP_BASELINE_REV", "dvc.exp_baseline_rev")):
-        if os.environ.get(env):
-            tags[tag] = os.environ[env]
-    lock_path, yaml_path = root / "dvc.lock", root / "dvc.yaml"
-    if not lock_path.is_file():
-        return tags
-    try:
-        tags["dvc.lock_md5"] = _md5_path(lock_path) or ""
-        lock = yaml.safe_load(lock_path.read_text()) or {}
-        spec = (yaml.safe_load(yaml_path.read_text()) or {}).get("stages", {}).get(stage) if yaml_path.is_file() else None
-    except (OSError, yaml.YAMLError):
-        return tags
-    if not spec:
-        return tags
-    produced = {o["path"]: o.get("md5") for s in lock.get("stages", {}).values() for o in s.get("outs", [])}
-    sections = cfg.to_dict()
-    inputs = {"params": {p: sections.get(p) for p in spec.get("params", []) if isinstance(p, str)}}
-    for dep in spec.get("deps", []):
-        inputs[dep] = produced.get(dep) or _md5_path(root / dep)
-    tags["dvc.inputs_md5"] = hashlib.md5(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
-    return tags
-
-
-def pipeline_key(cfg: Config, commit: str | None) -> str:
-    """Key of one pipeline execution for processes that share no memory (e.g. ``dvc repro``)."""
-    blob = json.dumps({"config": cfg.flat(), "git": commit, "exp": os.environ.get("DVC_EXP_NAME")},
-                      sort_keys=True, default=str)
-    return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
 def _params(cfg: Config) -> dict[str, str]:
@@ -192,90 +132,94 @@ def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
         client.log_batch(run_id, params=new[i:i + 100])
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
-
-
-def runtime_tags() -> dict[str, str]:
-    """What a run's floating-point results depend on beyond code, params and data.
-
-    Runs are bit-identical on one machine, not across machines: torch picks its vector kernels
-    (``env.cpu_kernels``: AVX2, AVX512, ...) and MKL its GEMM code path from the CPU, which changes
-    the order of floating-point sums. Measured (docs/tuning.md, session 6): the 2000-step SFT landed
-    at 70.5% held-out greedy on one 2-core machine and 81.0% on another, same code, params and
-    wheel; on one machine, ``ATEN_CPU_CAPABILITY=avx2`` instead of the AVX512 default changed its
-    logged loss from step 200 on (1.8929 against 1.8927) and its end point. ``ATEN_CPU_CAPABILITY``
-    and ``MKL_CBWR`` are recorded when set.
-    """
-    import platform
-
-    import torch
-
-    tags = {"env.torch": torch.__version__, "env.python": platform.python_version(),
-            "env.cpu_kernels": torch.backends.cpu.get_cpu_capability(), "env.machine": platform.machine()}
-    if model := cpu_model():
-        tags["env.cpu"] = model
-    if torch.version.cuda:
-        tags["env.cuda"] = str(torch.version.cuda)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # never the first CUDA call (fork safety)
-        tags["env.cuda_device"] = torch.cuda.get_device_name(torch.cuda.current_device())
-    for var in ("ATEN_CPU_CAPABILITY", "MKL_CBWR"):
-        if os.environ.get(var):
-            tags[f"env.{var}"] = os.environ[var]
-    return tags
-
-
-def _common_tags(cfg: Config) -> dict[str, str]:
-    tags = {"git.commit": git_commit() or "unknown", **runtime_tags()}
+def _base_tags(role: str) -> dict[str, str]:
+    tags = {ROLE_TAG: role, WORKSPACE_TAG: str(Path.cwd().resolve()), "mlflow.source.type": "JOB",
+            **runtime_tags()}
     if os.environ.get(FLOW_RUN_ENV):
         tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
+    if label := experiment_label():
+        tags["grpo.experiment"] = label
+    for env, tag in (("DVC_STAGE", "dvc.stage"), ("DVC_EXP_NAME", "dvc.exp_name"),
+                     ("DVC_EXP_BASELINE_REV", "dvc.exp_baseline_rev")):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
     return tags
+
+
+def _git_tags() -> dict[str, str]:
+    commit, dirty = git_state()
+    return {COMMIT_TAG: commit, "grpo.dirty": str(dirty).lower()} if commit else {}
+
+
+def close_stale_runs(client, exp_id: str, keep: str | None = None) -> list[str]:
+    """Mark KILLED the runs of this workspace left RUNNING by a killed process; returns their ids.
+
+    Safe because the caller holds the workspace lock: no other run of this workspace is live,
+    except ``keep`` (the caller's own parent)."""
+    here = str(Path.cwd().resolve()).replace("'", "")
+    found = client.search_runs([exp_id], filter_string=f"attributes.status = 'RUNNING' and "
+                                                        f"tags.`{WORKSPACE_TAG}` = '{here}'", max_results=200)
+    stale = [r.info.run_id for r in found if r.info.run_id != keep]
+    for run_id in stale:
+        client.set_terminated(run_id, status="KILLED")
+    return stale
 
 
 # --------------------------------------------------------------------------- parent runs
 
 def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str] | None = None) -> str:
-    """Create a parent run explicitly (used by the Prefect flow); returns its id."""
+    """Create the parent run of one pipeline execution; returns its id."""
     uri = tracking_uri(cfg)
-    client = _client(uri)
+    client = client_for(uri)
     exp_id = experiment_id(cfg, client)
-    all_tags = {ROLE_TAG: "pipeline", **_common_tags(cfg), **(tags or {})}
-    run = client.create_run(exp_id, tags=all_tags, run_name=name or "pipeline")
+    try:
+        with _no_http_retries():
+            close_stale_runs(client, exp_id)
+            all_tags = {**_base_tags("pipeline"), **_git_tags(), **(tags or {})}
+            run = client.create_run(exp_id, tags=all_tags, run_name=name or run_name(cfg))
+    except Exception as exc:
+        raise _unavailable(uri, f"{type(exc).__name__}: {exc}") from None
     _log_params(client, run.info.run_id, _params(cfg))
     return run.info.run_id
 
 
 def end_pipeline_run(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
-    """Mark a parent run FINISHED / FAILED / KILLED."""
-    _client(tracking_uri(cfg)).set_terminated(run_id, status=status)
+    """Copy the stage runs' final metrics (namespaced by stage, so they never clash) onto the parent,
+    then mark it FINISHED / FAILED / KILLED."""
+    from mlflow.entities import Metric
+
+    client = client_for(tracking_uri(cfg))
+    parent = client.get_run(run_id)
+    children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
+                                  order_by=["attributes.start_time ASC"])
+    latest: dict[str, float] = {}
+    for child in children:  # a re-run stage overwrites an earlier one
+        latest.update(child.data.metrics)
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, 0) for k, v in latest.items()]
+    with contextlib.suppress(Exception):
+        for i in range(0, len(items), 500):
+            client.log_batch(run_id, metrics=items[i:i + 500])
+    client.set_terminated(run_id, status=status)
 
 
-def _find_or_create_parent(client, exp_id: str, cfg: Config) -> tuple[str, bool]:
-    """(parent run id, owned): ``owned`` is True when this module manages its lifecycle."""
-    env_parent = os.environ.get(PARENT_ENV)
-    if env_parent:
-        return env_parent, False
-    commit = git_commit()
-    key = pipeline_key(cfg, commit)
-    found = client.search_runs(
-        [exp_id], filter_string=f"tags.{KEY_TAG} = '{key}' and attributes.status != 'FINISHED'",
-        order_by=["attributes.start_time DESC"], max_results=1)
-    if found:
-        run_id = found[0].info.run_id
-        if found[0].info.status != "RUNNING":
-            client.update_run(run_id, status="RUNNING")
-        return run_id, True
-    tags = {ROLE_TAG: "pipeline", KEY_TAG: key, **_common_tags(cfg)}
-    if os.environ.get("DVC_EXP_NAME"):
-        tags["dvc.exp_name"] = os.environ["DVC_EXP_NAME"]
-    run = client.create_run(exp_id, tags=tags, run_name=f"pipeline-{key[:8]}")
-    _log_params(client, run.info.run_id, _params(cfg))
-    return run.info.run_id, True
+def run_link(cfg: Config, parent_id: str | None, stage: str) -> str | None:
+    """Where to open the newest run of ``stage`` (under ``parent_id`` when given): a UI URL for an
+    http server, ``runs:/<id>`` otherwise; None when there is none."""
+    uri = tracking_uri(cfg)
+    client = client_for(uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        return None
+    query = f"tags.`{STAGE_TAG}` = '{stage}'" + (f" and tags.mlflow.parentRunId = '{parent_id}'" if parent_id else "")
+    found = client.search_runs([exp.experiment_id], filter_string=query, order_by=["attributes.start_time DESC"],
+                               max_results=1)
+    if not found:
+        return None
+    run_id = found[0].info.run_id
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/#/experiments/{exp.experiment_id}/runs/{run_id}"
+    return f"runs:/{run_id}"
 
 
 # --------------------------------------------------------------------------- stage logger
@@ -287,19 +231,21 @@ class MlflowLogger:
     def __init__(self, client, run_id: str, uri: str):
         self.client, self.run_id, self.uri = client, run_id, uri
         self._broken: set[str] = set()
+        self.last: dict[str, float] = {}  # the last value of every metric logged
 
-    def _guard(self, what: str, fn, *args, **kwargs) -> None:
+    def _guard(self, what: str, fn, *args, **kwargs) -> Any:
         """Call `fn`; if it fails, warn once and skip calls of the same kind for the rest of the stage.
         Training never stops for tracking, and a failing artifact call does not stop the metrics."""
         if what in self._broken:
-            return
+            return None
         try:
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except Exception as exc:
             self._broken.add(what)
             msg = " ".join(str(exc).split())[:200]
             print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
                   f"{what} disabled for the rest of this stage", file=sys.stderr)
+            return None
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._guard("log_params", _log_params, self.client, self.run_id, params)
@@ -314,15 +260,16 @@ class MlflowLogger:
                 items.append(Metric(key, float(value), ts, int(step)))
             except (TypeError, ValueError):  # not a number (e.g. None): nothing to plot
                 continue
+        self.last.update({m.key: m.value for m in items})
         if items:
             self._guard("log_metrics", self.client.log_batch, self.run_id, metrics=items)
 
-    def log_artifact(self, path: str | Path) -> None:
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
         if path.is_dir():
-            self._guard("log_artifacts", self.client.log_artifacts, self.run_id, str(path), path.name)
+            self._guard("log_artifacts", self.client.log_artifacts, self.run_id, str(path), artifact_path or path.name)
         else:
-            self._guard("log_artifact", self.client.log_artifact, self.run_id, str(path))
+            self._guard("log_artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         """Rows to a JSON table artifact; a second call with the same name appends to it. Log many
@@ -344,102 +291,103 @@ class MlflowLogger:
                     tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
 
 
+def _open_stage_run(client, exp_id: str, cfg: Config, stage: str) -> str:
+    parent_id = os.environ.get(PARENT_RUN_ENV) or None
+    close_stale_runs(client, exp_id, keep=parent_id)
+    tags = {**_base_tags("stage"), STAGE_TAG: stage}
+    if parent_id:  # the commit when the pipeline started, not now
+        parent = client.get_run(parent_id)
+        tags["mlflow.parentRunId"] = parent_id
+        tags.update({k: v for k, v in parent.data.tags.items() if k in (COMMIT_TAG, "grpo.dirty", "grpo.experiment")})
+    else:
+        tags.update(_git_tags())
+    return client.create_run(exp_id, tags=tags, run_name=run_name(cfg, stage, tags.get("grpo.experiment"))).info.run_id
+
+
 @contextlib.contextmanager
 def mlflow_stage_logger(cfg: Config, stage: str) -> Iterator[MlflowLogger]:
-    """A nested stage run under the pipeline's parent; fails fast (before training) if unreachable."""
+    """One run for one stage execution; fails fast (before training) if the backend is unreachable.
+    On success a training stage's final checkpoint is logged (and grpo's registered)."""
     uri = tracking_uri(cfg)
-    client = _client(uri)
+    client = client_for(uri)
     exp_id = experiment_id(cfg, client)  # probe: raises TrackingUnavailableError in seconds
     try:
         with _no_http_retries():
-            parent_id, owned = _find_or_create_parent(client, exp_id, cfg)
-            tags = {"mlflow.parentRunId": parent_id, ROLE_TAG: "stage", "grpo.stage": stage,
-                    **_common_tags(cfg), **dvc_tags(stage, cfg)}
-            run = client.create_run(exp_id, tags=tags, run_name=stage)
+            run_id = _open_stage_run(client, exp_id, cfg, stage)
     except Exception as exc:
         raise _unavailable(uri, f"{type(exc).__name__}: {exc}") from None
-    log = MlflowLogger(client, run.info.run_id, uri)
+    log = MlflowLogger(client, run_id, uri)
     log.log_params(_params(cfg))
     try:
         yield log
+        if stage in TRAINING_STAGES:
+            log_checkpoint(log, cfg, stage)
+        if stage == "evaluate":
+            prefix = "eval/grpo/"
+            grpo = {k[len(prefix):]: v for k, v in log.last.items() if k.startswith(prefix)}
+            log._guard("tag_model", tag_model_with_eval, cfg, grpo)
     except BaseException as exc:
         status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
         with contextlib.suppress(Exception):
-            client.set_terminated(run.info.run_id, status=status)
-            if owned:
-                client.set_terminated(parent_id, status=status)
+            client.set_terminated(run_id, status=status)
         raise
     with contextlib.suppress(Exception):
-        client.set_terminated(run.info.run_id, status="FINISHED")
-        if owned and stage == STAGES[-1]:
-            client.set_terminated(parent_id, status="FINISHED")
+        client.set_terminated(run_id, status="FINISHED")
 
 
-# --------------------------------------------------------------------------- comparison
+# --------------------------------------------------------------------------- models
 
-KEY_METRIC_WORDS = ("reward", "kl", "informative", "accuracy", "loss", "format_rate", "pass@", "maj@")
-DEFAULT_KEY_PARAMS = ("model.backend", "model.n_embd", "sft.steps", "warmup.iterations", "grpo.iterations",
-                      "grpo.kl_coef", "grpo.lr", "grpo.group_size", "grpo.loss_agg", "grpo.adv_norm")
-
-
-def _key_metric(name: str) -> bool:
-    metric = name.split(":", 1)[-1].rsplit("/", 1)[-1]
-    return any(w in metric for w in KEY_METRIC_WORDS) and not metric.endswith("_std")
+def checkpoint_sha256(folder: Path) -> str | None:
+    """Identity of a checkpoint: the SHA-256 of its manifest (which lists every file's SHA-256)."""
+    manifest = folder / "manifest.json"
+    return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
 
 
-def runs_table(cfg: Config, max_runs: int = 10, all_metrics: bool = False):
-    """DataFrame, one column per pipeline run (newest first): params that differ, final metrics.
-
-    Rows are ``param:<section.key>`` and ``<stage>:<metric>`` (the last logged value of each
-    metric of each stage run), like MLflow's compare view; only the headline metrics (reward, kl,
-    informative, accuracy, loss, format rate, pass@k/maj@k) unless ``all_metrics``.
-    """
-    import pandas as pd
-
-    uri = tracking_uri(cfg)
-    client = _client(uri)
-    exp_id = experiment_id(cfg, client)
-    parents = client.search_runs([exp_id], filter_string=f"tags.`{ROLE_TAG}` = 'pipeline'",
-                                 order_by=["attributes.start_time DESC"], max_results=max_runs)
-    columns: dict[str, dict[str, Any]] = {}
-    all_params: dict[str, dict[str, str]] = {}
-    for p in parents:
-        rid = p.info.run_id
-        col_name = f"{p.info.run_name or rid[:8]} ({rid[:6]})"
-        col: dict[str, Any] = {"status": p.info.status,
-                               "started": pd.Timestamp(p.info.start_time, unit="ms").strftime("%Y-%m-%d %H:%M")}
-        all_params[col_name] = p.data.params
-        children = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{rid}'",
-                                      order_by=["attributes.start_time ASC"])
-        for child in children:  # later executions of a stage (resumes) overwrite earlier ones
-            stage = child.data.tags.get("grpo.stage", child.info.run_name)
-            for key, value in child.data.metrics.items():
-                if all_metrics or _key_metric(key):
-                    col[f"{stage}:{key}"] = value
-        columns[col_name] = col
-    if not columns:
-        return pd.DataFrame()
-    keys = sorted({k for ps in all_params.values() for k in ps})
-    differing = [k for k in keys if len({ps.get(k) for ps in all_params.values()}) > 1]
-    shown = differing or [k for k in DEFAULT_KEY_PARAMS if k in keys]
-    for name, col in columns.items():
-        for k in shown:
-            col[f"param:{k}"] = all_params[name].get(k)
-    df = pd.DataFrame(columns)
-    order = (["status", "started"] + [f"param:{k}" for k in shown]
-             + sorted(i for i in df.index if i not in {"status", "started"} and not i.startswith("param:")))
-    return df.reindex(order)
+def _size_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
 
 
-def compare_text(cfg: Config, max_runs: int = 10, all_metrics: bool = False) -> str:
-    import pandas as pd
+def log_checkpoint(log: MlflowLogger, cfg: Config, stage: str) -> None:
+    """Log ``checkpoints/<stage>`` as the run's ``checkpoint`` artifact (if within the size limit);
+    register the grpo checkpoint as a new version of ``tracking.registered_model``."""
+    folder = Path(CHECKPOINT_DIR) / stage
+    sha = checkpoint_sha256(folder)
+    if sha is None:
+        return
+    log.set_tags({CHECKPOINT_TAG: sha})
+    size = _size_mb(folder)
+    if not 0 < size <= cfg.tracking.log_model_max_mb:
+        log.set_tags({"grpo.checkpoint_logged": f"false ({size:.0f} MB > tracking.log_model_max_mb)"})
+        return
+    log.log_artifact(folder, "checkpoint")
+    if stage == "grpo" and cfg.tracking.registered_model and "log_artifacts" not in log._broken:
+        log._guard("register_model", _register, log.client, cfg.tracking.registered_model, log.run_id, sha)
 
-    df = runs_table(cfg, max_runs, all_metrics)
-    uri = tracking_uri(cfg)
-    if df.empty:
-        return f"no pipeline runs in experiment {cfg.tracking.experiment!r} at {uri}"
-    with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200,
-                           "display.max_colwidth", 40, "display.float_format", "{:.4g}".format):
-        return (f"experiment {cfg.tracking.experiment!r} at {uri}: {df.shape[1]} pipeline run(s), "
-                f"newest first\n{df.to_string(na_rep='-')}")
+
+def _register(client, name: str, run_id: str, sha: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description="GRPO policy checkpoints (safetensors + JSON); "
+                                                          "load with pipeline.checkpoint.load_policy")
+    except MlflowException as exc:
+        if "already exists" not in str(exc).lower() and "RESOURCE_ALREADY_EXISTS" not in str(exc):
+            raise
+    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/checkpoint"
+    client.create_model_version(name, source, run_id=run_id, tags={CHECKPOINT_TAG: sha})
+
+
+def tag_model_with_eval(cfg: Config, metrics: dict[str, float]) -> int:
+    """Put ``metrics`` (the grpo checkpoint's evaluation) on every registered version of the
+    checkpoint now in ``checkpoints/grpo``; returns how many versions were tagged."""
+    name = cfg.tracking.registered_model
+    sha = checkpoint_sha256(Path(CHECKPOINT_DIR) / "grpo")
+    if not name or sha is None:
+        return 0
+    client = client_for(tracking_uri(cfg))
+    versions = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get(CHECKPOINT_TAG) == sha]
+    for v in versions:
+        for key, value in metrics.items():
+            client.set_model_version_tag(name, v.version, f"eval.{key}", str(value))
+    return len(versions)
 
