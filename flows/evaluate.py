@@ -1,8 +1,9 @@
 """Evaluation-only flow: score existing checkpoints without re-training.
 
 ``checkpoints`` names folders under ``checkpoints/`` (``sft``, ``warmup``, ``grpo``), i.e. it overrides
-``evaluate.stages``; the stage writes metrics/eval.json, reports/ and plots/ as in the full pipeline
-(so run it where the checkpoints are, and note it replaces metrics/eval.json)::
+``evaluate.stages``; like every overridden run it is a DVC experiment (the workspace is left as it
+is, ``dvc exp show`` lists the result). Without checkpoints it runs the evaluate stage through DVC
+in the workspace (a no-op when it is up to date)::
 
     python -m flows.evaluate --checkpoint grpo --params configs/smoke.yaml
 """
@@ -16,10 +17,9 @@ from typing import Any
 
 from prefect import flow
 
-from flows.grpo_pipeline import local_api, publish_eval
-from pipeline.config import ConfigError, load_config
+from flows.grpo_pipeline import effective_overrides, execute, local_api
+from pipeline.config import ConfigError
 from pipeline.errors import InputError
-from tasks.stages import evaluate
 
 
 @flow(name="grpo-evaluate", log_prints=True)
@@ -28,11 +28,8 @@ def evaluate_checkpoints(checkpoints: list[str] | None = None, params_path: str 
     """Evaluate the given checkpoints (default: grpo) and publish the table as an artifact."""
     overrides = list(overrides or [])
     if checkpoints:
-        overrides.append("evaluate.stages=" + json.dumps(list(checkpoints)))
-    load_config(params_path, overrides)  # fail on a bad config before the task runs
-    result = evaluate(params_path, overrides)
-    publish_eval(result.get("metrics"), key="grpo-eval-only")
-    return result
+        overrides.append("evaluate.stages=[" + ",".join(checkpoints) + "]")
+    return execute(("evaluate",), params_path, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,12 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)
     try:
+        effective_overrides(args.params, args.overrides)
         with local_api():
             result = evaluate_checkpoints(args.checkpoints or None, args.params, args.overrides)
     except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result.get("metrics", {})))
+    print(json.dumps(result.get("metrics", [])))
     return 0
 
 

@@ -1,13 +1,18 @@
 """The whole pipeline as one Prefect flow: prepare -> sft -> warmup -> grpo -> evaluate.
 
-One task run per stage, each calling the same stage function as ``python -m pipeline STAGE`` and
-``dvc repro``, in the current working directory (the repo root), so a flow run and ``dvc repro`` with
-the same params write the same files in the same places. The flow opens one MLflow parent run; every
-stage run nests under it. The evaluation table is published as a Prefect artifact (``grpo-eval``).
+Each task runs its DVC stage (``dvc repro --single-item``), so DVC decides what is up to date and a
+flow run leaves the same ``dvc.lock``, cache and files as ``dvc repro``. Without overrides the flow
+runs in the working directory (the repo root) like ``dvc repro``. With overrides (``--set`` or a
+params file other than ``params.yaml``) the run is a DVC experiment named after the flow run: the
+stages run in a temporary copy, the result is saved with ``dvc exp save`` (``dvc exp show`` lists
+it) and the workspace is left as it was found. The flow holds the workspace lock for the whole
+run, opens one MLflow parent run that every stage nests under, and publishes a markdown artifact
+per training stage (reward/KL/informative summary, link to its MLflow run) and the evaluation table.
 
 Run it locally, no server needed (Prefect starts a temporary local API)::
 
-    python -m flows.grpo_pipeline --params configs/smoke.yaml --set grpo.kl_coef=0.02
+    python -m flows.grpo_pipeline                            # params.yaml, in the workspace
+    python -m flows.grpo_pipeline --set grpo.kl_coef=0.02    # an experiment
 
 Serve it on a schedule: ``python -m flows.serve`` (see flows/serve.py).
 """
@@ -18,29 +23,62 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from pipeline.config import METRICS_DIR, STAGES, ConfigError, load_config
+from flows.experiment import exp_name, experiment_copy, save_experiment
+from pipeline.config import METRICS_DIR, PLOTS_DIR, STAGES, Config, ConfigError, load_config
 from pipeline.errors import InputError
-from tasks.stages import STAGE_TASKS, close_tracking, open_tracking
+from pipeline.evaluation import training_summary
+from pipeline.lock import workspace_lock
+from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run
+from tasks.stages import STAGE_TASKS
 
 EVAL_ARTIFACT_KEY = "grpo-eval"
+TRAINING_STAGES = ("sft", "warmup", "grpo")
 
+
+# --------------------------------------------------------------------------- overrides
+
+def _hydra_value(value: Any) -> str:
+    """A value as DVC's ``-S`` (Hydra's override grammar) reads it back unchanged."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def effective_overrides(params_path: str, overrides: Sequence[str] | None) -> list[str]:
+    """The overrides a run applies to ``params.yaml``: a params file other than ``params.yaml`` counts
+    as setting each value it changes; then ``overrides``. Fails on a bad config before any task."""
+    overrides = list(overrides or [])
+    extra: list[str] = []
+    if Path(params_path).resolve() != Path("params.yaml").resolve():
+        base, other = load_config("params.yaml").flat(), load_config(params_path).flat()
+        extra = [f"{k}={_hydra_value(v)}" for k, v in other.items() if base.get(k) != v]
+    load_config("params.yaml" if not extra else params_path, overrides)
+    return extra + overrides
+
+
+# --------------------------------------------------------------------------- artifacts
 
 def eval_rows(metrics: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """``{stage: {metric: value}}`` (metrics/eval.json) -> one table row per evaluated checkpoint."""
     return [{"stage": stage, **values} for stage, values in metrics.items()]
 
 
-def publish_eval(metrics: dict[str, dict[str, Any]] | None = None, key: str = EVAL_ARTIFACT_KEY) -> list[dict[str, Any]]:
+def publish_eval(metrics: dict[str, dict[str, Any]] | None = None, key: str = EVAL_ARTIFACT_KEY,
+                 workdir: str | Path = ".") -> list[dict[str, Any]]:
     """Publish the evaluation table (from ``metrics`` or metrics/eval.json) as Prefect artifacts."""
     if metrics is None:
-        path = Path(METRICS_DIR) / "eval.json"
+        path = Path(workdir) / METRICS_DIR / "eval.json"
         metrics = json.loads(path.read_text()) if path.is_file() else {}
     rows = eval_rows(metrics)
     if rows:
@@ -53,26 +91,93 @@ def publish_eval(metrics: dict[str, dict[str, Any]] | None = None, key: str = EV
     return rows
 
 
-@flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run every stage in order under one MLflow parent run; publish the evaluation table."""
-    overrides = list(overrides or [])
-    load_config(params_path, overrides)  # a bad config fails here, before any task runs
+def stage_markdown(stage: str, status: str, summary: dict[str, Any], link: str | None) -> str:
+    """The training-stage artifact: what DVC did, the summary of its curve, where its MLflow run is."""
+    lines = [f"## {stage}", "", f"DVC: **{status}**" + (" (up to date; outputs of an earlier run)" if status != "ran" else "")]
+    if summary:
+        lines += ["", "| signal | final | mean |", "|---|---|---|"]
+        signals = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_final", "_mean"))})
+        lines += [f"| {s} | {summary.get(f'{s}_final', '')} | {summary.get(f'{s}_mean', '')} |" for s in signals]
+        lines += ["", f"iterations: {summary.get('iterations')}"]
+    if link:
+        lines += ["", f"MLflow run: [{link}]({link})" if link.startswith("http") else f"MLflow run: `{link}`"]
+    return "\n".join(lines)
+
+
+def _sft_summary(csv: Path) -> dict[str, Any]:
+    import pandas as pd
+
+    if not csv.is_file() or csv.stat().st_size == 0:
+        return {}
+    df = pd.read_csv(csv)
+    out: dict[str, Any] = {"iterations": int(df["step"].max()) if "step" in df and len(df) else 0}
+    for col in ("loss", "arith_accuracy", "gsm8k_accuracy"):
+        values = pd.to_numeric(df[col], errors="coerce").dropna() if col in df else []
+        if len(values):
+            out[f"{col}_final"], out[f"{col}_mean"] = round(float(values.iloc[-1]), 4), round(float(values.mean()), 4)
+    return out
+
+
+def publish_stage(cfg: Config, result: dict[str, Any], parent_run_id: str | None) -> None:
+    stage, work = result["stage"], Path(result["workdir"])
+    csv = work / PLOTS_DIR / f"{stage}.csv"
+    summary = _sft_summary(csv) if stage == "sft" else training_summary(csv)
+    link = run_link(cfg, parent_run_id, stage) if result["status"] == "ran" else None
+    create_markdown_artifact(stage_markdown(stage, result["status"], summary, link), key=f"grpo-{stage}",
+                             description=f"{stage}: training summary")
+
+
+# --------------------------------------------------------------------------- the flow
+
+def run_chain(stages: Sequence[str], work: Path, cfg: Config, parent: str | None, label: str | None,
+              root: Path) -> dict[str, Any]:
+    """Each stage task after the previous one, taking its result (the graph's edge)."""
+    results: dict[str, Any] = {}
+    upstream = None
+    for name in stages:
+        upstream = STAGE_TASKS[name](upstream, str(work), parent, label, str(root))
+        results[name] = upstream
+        if name in TRAINING_STAGES:
+            publish_stage(cfg, upstream, parent)
+    return results
+
+
+def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | None) -> dict[str, Any]:
+    """The body of every pipeline flow: lock, experiment copy when overridden, parent run, chain."""
     from prefect.runtime import flow_run
 
-    parent = open_tracking(params_path, overrides, run_name=f"flow-{flow_run.name or 'local'}")
-    results: dict[str, Any] = {}
-    try:
-        for name in STAGES:
-            results[name] = STAGE_TASKS[name](params_path, overrides, parent)
-    except BaseException:
-        if parent:
-            close_tracking(params_path, overrides, parent, "FAILED")
-        raise
-    if parent:
-        close_tracking(params_path, overrides, parent, "FINISHED")
-    publish_eval(results["evaluate"].get("metrics"))
+    overrides = effective_overrides(params_path, overrides)  # a bad config fails before any task
+    root, name = Path.cwd().resolve(), exp_name(flow_run.name or "local")
+    with workspace_lock(f"flow run {name}", root):
+        cfg = load_config("params.yaml", overrides)
+        copy = experiment_copy(root, name, overrides) if overrides else contextlib.nullcontext(root)
+        with copy as work:
+            tags = {"prefect.flow_run_id": str(flow_run.id)} if flow_run.id else {}
+            parent = start_pipeline_run(cfg, name=run_name(cfg, None, name), tags=tags)
+            try:
+                results = run_chain(stages, work, cfg, parent, name if overrides else None, root)
+                if overrides:
+                    results["experiment"] = save_experiment(work, name)
+                results["metrics"] = publish_eval(workdir=work) if "evaluate" in stages else []
+                results["headline"] = headline(work)
+            except BaseException:
+                end_pipeline_run(cfg, parent, "FAILED")
+                raise
+            end_pipeline_run(cfg, parent, "FINISHED")
     return results
+
+
+@flow(name="grpo-pipeline", log_prints=True)
+def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
+    """Every stage in order, each through DVC; an experiment when overridden."""
+    return execute(STAGES, params_path, overrides)
+
+
+def headline(work: Path) -> str:
+    """A short table of the headline numbers (metrics/train.json and metrics/eval.json)."""
+    from pipeline.summary import headline_table
+
+    return headline_table(work)
 
 
 @contextlib.contextmanager
@@ -89,22 +194,20 @@ def local_api() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.grpo_pipeline", description=__doc__.splitlines()[0])
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    p.add_argument("--params", default="params.yaml", help="params file (another file: an experiment on its values)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one param; repeatable")
+                   help="override one param (the run becomes a DVC experiment); repeatable")
     args = p.parse_args(argv)
     try:
-        load_config(args.params, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
+        effective_overrides(args.params, args.overrides)
         with local_api():
             results = grpo_pipeline(args.params, args.overrides)
     except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({k: v.get("metrics", "done") if k == "evaluate" else "done" for k, v in results.items()}))
+    if results.get("experiment"):
+        print(f"experiment {results['experiment']} saved: dvc exp show; dvc exp apply {results['experiment']}")
+    print(results.get("headline", ""))
     return 0
 
 

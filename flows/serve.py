@@ -7,9 +7,12 @@ Start a server (UI at http://127.0.0.1:4200) and, from the repo root, serve the 
     python -m flows.serve --cron "0 3 * * *" --params params.yaml
 
 The serving process polls the server and runs scheduled or UI-triggered runs itself, in this working
-directory (so outputs land in the repo like ``dvc repro``), one at a time (``limit=1``: runs share
-data/ and checkpoints/). Ctrl-C stops serving and pauses the schedule. Trigger a run from the CLI with
-``prefect deployment run grpo-pipeline/nightly``.
+directory (so outputs land in the repo like ``dvc repro``). One run at a time, decided by the server:
+the deployment carries a concurrency limit of 1 (``global_limit``), so a run triggered while another
+is running waits in the queue, whichever worker or UI started it (the workspace lock backs it up).
+Ctrl-C stops serving and pauses the schedule. Trigger a run from the CLI with
+``prefect deployment run grpo-pipeline/nightly`` (``-p overrides='["grpo.kl_coef=0.02"]'``: an
+experiment, see flows/grpo_pipeline.py).
 """
 
 from __future__ import annotations
@@ -19,8 +22,23 @@ import sys
 
 from prefect.deployments.runner import EntrypointType
 
-from flows.grpo_pipeline import grpo_pipeline
-from pipeline.config import ConfigError, load_config
+from flows.grpo_pipeline import effective_overrides, grpo_pipeline
+from pipeline.config import ConfigError
+from pipeline.errors import InputError
+
+
+def check_schedule(cron: str, timezone: str | None) -> None:
+    """A cron expression and timezone Prefect accepts, or one line saying what is allowed."""
+    from pydantic import ValidationError
+
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron, timezone=timezone or "UTC")
+    except ValidationError as exc:
+        why = exc.errors()[0].get("msg", "invalid") if exc.errors() else "invalid"
+        raise InputError(f"--cron {cron!r}{f' --timezone {timezone!r}' if timezone else ''}: {why}; "
+                         f"a cron expression has five fields, e.g. '0 3 * * *' (daily 03:00)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        load_config(args.params, args.overrides)  # refuse to schedule a config that cannot run
-    except ConfigError as exc:
+        effective_overrides(args.params, args.overrides)  # refuse to schedule a config that cannot run
+        check_schedule(args.cron, args.timezone)
+    except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from prefect.schedules import Cron
@@ -52,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         parameters={"params_path": args.params, "overrides": args.overrides},
         tags=["grpo"],
         description="GRPO pipeline: prepare -> sft -> warmup -> grpo -> evaluate",
-        limit=1,
+        global_limit=1,  # the deployment's concurrency limit, held by the server
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
     return 0

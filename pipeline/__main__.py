@@ -1,9 +1,11 @@
 """CLI: ``python -m pipeline STAGE [--params FILE] [--set section.key=value ...] [--print-config]``.
 
-The DVC stages call this; the Prefect tasks call the same stage functions directly.
-User mistakes (bad config, missing input files, bad data) print one line on stderr and exit 2.
-A stage with ``nproc > 1`` (warmup, grpo) is started here under torchrun, one process per rank;
-the stages themselves never start processes.
+The DVC stages call this (and the Prefect tasks run the DVC stages). ``all`` runs every stage in
+this process under one MLflow parent run and the workspace lock; ``summary`` prints the headline
+numbers of the workspace; ``compare`` lists the experiment's MLflow runs side by side.
+User mistakes (bad config, missing input files, bad data, a busy workspace) print one line on
+stderr and exit 2. A stage with ``nproc > 1`` (warmup, grpo) is started here under torchrun, one
+process per rank, holding the workspace lock for its ranks; the stages themselves never start processes.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import tempfile
 
 from pipeline.config import STAGES, ConfigError, dump_config, load_config
 
-EXTRA_COMMANDS = ("compare",)
-
+EXTRA_COMMANDS = ("compare", "summary")
 
 class _CurrentStderr(logging.StreamHandler):
     """Writes to whatever `sys.stderr` is at the time, so a live progress bar (which redirects
@@ -56,7 +57,7 @@ def run_under_torchrun(cfg, stage: str, nproc: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=[*STAGES, "all", *EXTRA_COMMANDS],
-                   help="stage to run ('all' runs every stage in order; 'compare' lists MLflow runs)")
+                   help="stage to run ('all': every stage in order; 'compare': MLflow runs; 'summary': headline numbers)")
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one param; repeatable")
@@ -76,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pipeline.errors import InputError
     from pipeline.files import STORAGE_ERRNOS
-    from pipeline.stages import stage_function
 
     # the stages' progress lines (logging.getLogger(__name__)) on stderr; other libraries stay quiet
     handler = _CurrentStderr()
@@ -85,24 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     root.setLevel(logging.INFO)
     root.addHandler(handler)
 
-    names = STAGES if args.stage == "all" else (args.stage,)
     try:
         if args.stage == "compare":
-            from pipeline.tracking import compare_runs
+            from pipeline.tracking.compare import compare_text
 
-            print(compare_runs(cfg))
-            return 0
-        for name in names:
-            nproc = _nproc(cfg, name)
-            if nproc > 1 and "LOCAL_RANK" not in os.environ:
-                code = run_under_torchrun(cfg, name, nproc)
-                if code:
-                    print(f"error: {name}: torchrun with {nproc} processes failed (exit {code})", file=sys.stderr)
-                    return code
-                continue
-            result = stage_function(name)(cfg)
-            if os.environ.get("RANK", "0") == "0":
-                print(json.dumps({"stage": name, **(result or {})}, default=str))
+            print(compare_text(cfg))
+        elif args.stage == "summary":
+            from pipeline.summary import headline_table
+
+            print(headline_table())
+        elif args.stage == "all":
+            return run_all(cfg)
+        else:
+            return run_one(cfg, args.stage)
     except (ConfigError, InputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -112,6 +107,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.filename or 'a file'}: cannot write ({os.strerror(exc.errno)}); "
               "free space or raise the limit and re-run", file=sys.stderr)
         return 2
+    return 0
+
+
+def run_one(cfg, name: str) -> int:
+    """One stage: in this process, or under torchrun when it asks for several (the launcher holds the
+    workspace lock, its ranks pass through it); the exit status."""
+    from pipeline.lock import workspace_lock
+    from pipeline.stages import stage_function
+
+    nproc = _nproc(cfg, name)
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        with workspace_lock(f"stage {name} (torchrun, {nproc} processes)"):
+            code = run_under_torchrun(cfg, name, nproc)
+        if code:
+            print(f"error: {name}: torchrun with {nproc} processes failed (exit {code})", file=sys.stderr)
+        return code
+    result = stage_function(name)(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({"stage": name, **(result or {})}, default=str))
+    return 0
+
+
+def run_all(cfg) -> int:
+    """Every stage in order in this process: one workspace lock, one MLflow parent run."""
+    from pipeline.lock import workspace_lock
+    from pipeline.tracking import PARENT_RUN_ENV, end_pipeline_run, run_name, start_pipeline_run, temporary_env
+
+    with workspace_lock("python -m pipeline all"):
+        parent = start_pipeline_run(cfg, name=run_name(cfg, None, "pipeline all"))
+        status = "FAILED"
+        try:
+            with temporary_env({PARENT_RUN_ENV: parent}):
+                for name in STAGES:
+                    code = run_one(cfg, name)
+                    if code:
+                        return code
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            end_pipeline_run(cfg, parent, status)
     return 0
 
 

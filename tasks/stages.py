@@ -1,27 +1,31 @@
-"""Prefect tasks: one thin, typed task per pipeline stage, wrapping the same function the CLI and DVC call.
+"""Prefect tasks: one thin task per pipeline stage, each running its DVC stage.
 
-Each task takes the params file and ``section.key=value`` overrides (small, readable inputs in the
-Prefect UI), loads the config itself, runs ``pipeline.stages.stage_function(name)`` and returns the
-stage's small JSON-serialisable dict (paths and headline figures), never tensors.
+A stage task runs ``dvc repro --single-item <stage>`` in the working copy it is given, so DVC alone
+decides whether the stage is up to date, records it in ``dvc.lock`` and fills its cache, exactly as
+a ``dvc repro`` by hand would. The stage's output (the ``pipeline`` logger's progress lines and
+DVC's own) is relayed line by line to the task's Prefect logger, and the task returns a small dict:
+``{"stage", "status": "ran" | "skipped" | "restored", "workdir"}``. Each task takes the previous
+stage's result as ``upstream``, so the Prefect graph is the pipeline's chain.
 
-Retries are declared here and only here, and only for failures that can be transient:
+Retries are declared here and only here, and only for failures that can be transient: ``prepare``
+retries a failed download and an unreachable tracking server, the other stages only the tracking
+server (detected before any training). A crashed training task is *not* retried: re-running the
+flow resumes it from ``checkpoints/<stage>.resume``. Caching is off (``NO_CACHE``): DVC is the cache.
 
-- ``prepare`` retries a failed dataset download (network errors) and an unreachable tracking server;
-- the training and evaluation stages retry only an unreachable tracking server, which is detected
-  before any training starts. A crashed training task is *not* retried: re-running the flow resumes it
-  from ``checkpoints/<stage>.resume``.
-
-Caching is off (``NO_CACHE``): stage outputs live on disk and DVC is the cache; a Prefect result cache
-would skip a stage whose checkpoint was deleted.
-
-The Prefect flow-run id and the MLflow parent run reach ``pipeline.tracking`` through environment
-variables (``GRPO_PREFECT_FLOW_RUN_ID``, ``GRPO_PARENT_RUN_ID``): ``pipeline/`` never imports prefect.
+Context reaches the stage process in environment variables (``pipeline/`` never imports prefect):
+``GRPO_PARENT_RUN_ID`` (the flow's MLflow parent run), ``GRPO_PREFECT_FLOW_RUN_ID``,
+``GRPO_RUN_NAME`` (the experiment's name) and ``DVC_ROOT`` (the user's repository, where the MLflow
+database lives, also when the stages run in an experiment's temporary copy).
 """
 
 from __future__ import annotations
 
-import json
+import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from prefect import Task, task
@@ -29,16 +33,23 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from pipeline.config import STAGES, load_config
-from pipeline.stages import stage_function
-from pipeline.tracking import (FLOW_RUN_ENV, PARENT_RUN_ENV, TrackingUnavailableError, end_pipeline_run,
-                               start_pipeline_run, temporary_env)
+from pipeline.config import STAGES
+from pipeline.errors import InputError
+from pipeline.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, RUN_NAME_ENV, TrackingUnavailableError
 
 RETRY_DELAYS_S = [5, 30]
 TRANSIENT_NAMES = {"ConnectionError", "Timeout", "ConnectTimeout", "ReadTimeout", "ConnectTimeoutError",
                    "ReadTimeoutError", "NewConnectionError", "MaxRetryError", "RemoteDisconnected",
                    "ChunkedEncodingError", "IncompleteRead", "ProtocolError", "HfHubHTTPError",
                    "ServerDisconnectedError", "ClientConnectorError", "gaierror"}
+
+
+class StageFailed(RuntimeError):
+    """``dvc repro`` of a stage failed for a reason that is not the user's input."""
+
+
+class TransientStageError(StageFailed):
+    """The stage failed on a network error (a download): worth another try."""
 
 
 # --------------------------------------------------------------------------- retry conditions
@@ -66,8 +77,8 @@ def is_tracking_outage(exc: BaseException | None) -> bool:
 
 def is_network_error(exc: BaseException | None) -> bool:
     """Connection resets, timeouts, DNS failures and 5xx-style hub errors: worth another try."""
-    return any(isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in TRANSIENT_NAMES
-               for e in _chain(exc))
+    return any(isinstance(e, (ConnectionError, TimeoutError, TransientStageError))
+               or type(e).__name__ in TRANSIENT_NAMES for e in _chain(exc))
 
 
 def retry_on_tracking_outage(task: Task, task_run: TaskRun, state: State) -> bool:
@@ -81,7 +92,17 @@ def retry_on_transient(task: Task, task_run: TaskRun, state: State) -> bool:
     return is_tracking_outage(exc) or is_network_error(exc)
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- running a DVC stage
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:  # called outside a task run (tests calling .fn)
+        return logging.getLogger("tasks.stages")
+
 
 def _flow_run_id() -> str | None:
     from prefect.runtime import flow_run
@@ -89,76 +110,73 @@ def _flow_run_id() -> str | None:
     return flow_run.id
 
 
-def tracking_env(parent_run_id: str | None):
-    """Export the MLflow parent run and Prefect flow-run id to ``pipeline.tracking`` for one stage."""
-    return temporary_env({PARENT_RUN_ENV: parent_run_id, FLOW_RUN_ENV: _flow_run_id()})
+def stage_status(name: str, output: str) -> str:
+    """What DVC did with the stage, from its report: ran, restored (run cache) or skipped."""
+    if f"Running stage '{name}'" in output:
+        return "ran"
+    if f"Stage '{name}' is cached" in output:
+        return "restored"
+    return "skipped"
 
 
-def run_stage(name: str, params_path: str, overrides: list[str] | None,
-              parent_run_id: str | None = None) -> dict[str, Any]:
-    """Load the config and run one stage, as ``python -m pipeline <name>`` does."""
-    cfg = load_config(params_path, list(overrides or []))
-    with tracking_env(parent_run_id):
-        result = stage_function(name)(cfg) or {}
-    return json.loads(json.dumps({"stage": name, **result}, default=str))  # small, JSON-only
+def failure(name: str, lines: list[str], code: int) -> Exception:
+    """The exception a failed ``dvc repro`` of ``name`` becomes: the stage's one-line error when it
+    printed one (bad input: an InputError; an unreachable tracking server: retried), else the tail."""
+    errors = [ln[len("error: "):] for ln in lines if ln.startswith("error: ")]
+    if errors:
+        kind = TrackingUnavailableError if "tracking at" in errors[-1] and "unavailable" in errors[-1] else InputError
+        return kind(f"{name}: {errors[-1]}")
+    tail = " | ".join(lines[-5:])
+    if any(word in tail for word in TRANSIENT_NAMES):
+        return TransientStageError(f"{name}: dvc repro failed (exit {code}): {tail}")
+    return StageFailed(f"{name}: dvc repro failed (exit {code}): {tail}")
 
 
-# --------------------------------------------------------------------------- tracking tasks
+def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``dvc repro --single-item <name>`` in ``workdir``, its output relayed to the task's logger."""
+    log = _logger()
+    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", name]
+    full_env = {**os.environ, **{k: v for k, v in (env or {}).items() if v}}
+    bin_dir = str(Path(sys.executable).parent)  # `python` in dvc.yaml's commands: this environment's
+    full_env["PATH"] = bin_dir + os.pathsep + full_env.get("PATH", "")
+    lines: list[str] = []
+    with subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, errors="replace", bufsize=1) as proc:
+        for raw in proc.stdout:
+            for line in raw.replace("\r", "\n").splitlines():  # progress bars redraw with \r
+                if line.strip():
+                    lines.append(line.rstrip())
+                    log.info(line.rstrip())
+    if proc.returncode != 0:
+        raise failure(name, lines, proc.returncode)
+    status = stage_status(name, "\n".join(lines))
+    log.info(f"{name}: {status} (DVC's decision)")
+    return {"stage": name, "status": status, "workdir": str(workdir)}
 
-@task(name="open-tracking", retries=2, retry_delay_seconds=RETRY_DELAYS_S,
-      retry_condition_fn=retry_on_tracking_outage, cache_policy=NO_CACHE)
-def open_tracking(params_path: str, overrides: list[str] | None = None, run_name: str | None = None) -> str | None:
-    """Create the MLflow parent run of this flow run; None when tracking is disabled."""
-    cfg = load_config(params_path, list(overrides or []))
-    flow_run_id = _flow_run_id()
-    tags = {"prefect.flow_run_id": str(flow_run_id)} if flow_run_id else {}
-    return start_pipeline_run(cfg, name=run_name, tags=tags)
 
-
-@task(name="close-tracking", retries=2, retry_delay_seconds=RETRY_DELAYS_S,
-      retry_condition_fn=retry_on_tracking_outage, cache_policy=NO_CACHE)
-def close_tracking(params_path: str, overrides: list[str] | None, parent_run_id: str | None,
-                   status: str = "FINISHED") -> None:
-    """Mark the flow's MLflow parent run FINISHED or FAILED."""
-    end_pipeline_run(load_config(params_path, list(overrides or [])), parent_run_id, status)
+def stage_env(parent_run_id: str | None, run_name: str | None, root: str | None) -> dict[str, str]:
+    return {PARENT_RUN_ENV: parent_run_id or "", RUN_NAME_ENV: run_name or "", FLOW_RUN_ENV: _flow_run_id() or "",
+            "DVC_ROOT": root or ""}
 
 
 # --------------------------------------------------------------------------- stage tasks
 
-@task(name="prepare", retries=2, retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_on_transient,
-      cache_policy=NO_CACHE)
-def prepare(params_path: str, overrides: list[str] | None = None, parent_run_id: str | None = None) -> dict[str, Any]:
-    """Download/validate GSM8K, build the arithmetic curriculum, train the tokenizer."""
-    return run_stage("prepare", params_path, overrides, parent_run_id)
+def _stage_task(name: str, retry, doc: str) -> Task:
+    def run(upstream: dict[str, Any] | None = None, workdir: str = ".", parent_run_id: str | None = None,
+            run_name: str | None = None, root: str | None = None) -> dict[str, Any]:
+        return run_dvc_stage(name, workdir, stage_env(parent_run_id, run_name, root))
+
+    run.__doc__ = doc
+    run.__name__ = run.__qualname__ = name
+    return task(run, name=name, retries=2, retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry,
+                cache_policy=NO_CACHE)
 
 
-@task(name="sft", retries=2, retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_on_tracking_outage,
-      cache_policy=NO_CACHE)
-def sft(params_path: str, overrides: list[str] | None = None, parent_run_id: str | None = None) -> dict[str, Any]:
-    """Supervised fine-tuning into checkpoints/sft."""
-    return run_stage("sft", params_path, overrides, parent_run_id)
-
-
-@task(name="warmup", retries=2, retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_on_tracking_outage,
-      cache_policy=NO_CACHE)
-def warmup(params_path: str, overrides: list[str] | None = None, parent_run_id: str | None = None) -> dict[str, Any]:
-    """GRPO on the arithmetic curriculum into checkpoints/warmup (resumes from warmup.resume)."""
-    return run_stage("warmup", params_path, overrides, parent_run_id)
-
-
-@task(name="grpo", retries=2, retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_on_tracking_outage,
-      cache_policy=NO_CACHE)
-def grpo(params_path: str, overrides: list[str] | None = None, parent_run_id: str | None = None) -> dict[str, Any]:
-    """GRPO on GSM8K into checkpoints/grpo (resumes from grpo.resume)."""
-    return run_stage("grpo", params_path, overrides, parent_run_id)
-
-
-@task(name="evaluate", retries=2, retry_delay_seconds=RETRY_DELAYS_S, retry_condition_fn=retry_on_tracking_outage,
-      cache_policy=NO_CACHE)
-def evaluate(params_path: str, overrides: list[str] | None = None, parent_run_id: str | None = None) -> dict[str, Any]:
-    """Score the configured checkpoints; write metrics/eval.json, reports/ and plots/."""
-    return run_stage("evaluate", params_path, overrides, parent_run_id)
-
+prepare = _stage_task("prepare", retry_on_transient, "DVC stage prepare: GSM8K, the arithmetic curriculum, the tokenizer.")
+sft = _stage_task("sft", retry_on_tracking_outage, "DVC stage sft: supervised warm start into checkpoints/sft.")
+warmup = _stage_task("warmup", retry_on_tracking_outage, "DVC stage warmup: GRPO on the curriculum.")
+grpo = _stage_task("grpo", retry_on_tracking_outage, "DVC stage grpo: GRPO on GSM8K into checkpoints/grpo.")
+evaluate = _stage_task("evaluate", retry_on_tracking_outage, "DVC stage evaluate: metrics/, reports/, plots/.")
 
 STAGE_TASKS: dict[str, Task] = {"prepare": prepare, "sft": sft, "warmup": warmup, "grpo": grpo,
                                 "evaluate": evaluate}
