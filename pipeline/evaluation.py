@@ -309,3 +309,28 @@ def summary_table(metrics: Mapping[str, Mapping[str, float | int]], title: str =
             cells.append("" if v is None else (str(v) if isinstance(v, int) else f"{v:.4f}"))
         table.add_row(k, *cells)
     return table
+
+
+# --------------------------------------------------------------------------- training summary
+
+TRAIN_SIGNALS = ("reward", "kl", "informative", "clipfrac")
+
+
+def training_summary(csv_path: str | Path) -> dict[str, float | int]:
+    """Final and mean of each GRPO signal in a stage's per-iteration CSV (``plots/<stage>.csv``):
+    ``{"iterations": n, "reward_final": .., "reward_mean": .., "kl_final": .., ...}``; empty cells
+    are skipped, a missing file or column gives no entry. The figures DVC ranks experiments by."""
+    import pandas as pd
+
+    csv_path = Path(csv_path)
+    if not csv_path.is_file() or csv_path.stat().st_size == 0:
+        return {}
+    df = pd.read_csv(csv_path)
+    out: dict[str, float | int] = {"iterations": int(len(df))}
+    for col in TRAIN_SIGNALS:
+        if col in df:
+            values = pd.to_numeric(df[col], errors="coerce").dropna()
+            if len(values):
+                out[f"{col}_final"] = round(float(values.iloc[-1]), 4)
+                out[f"{col}_mean"] = round(float(values.mean()), 4)
+    return out

@@ -166,6 +166,8 @@ def _write_outputs(metrics: dict, predictions: dict[tuple[str, str], list[dict[s
         ev.plot_accuracy(metrics, stage(path))
         path = written["training_curves_png"] = Path(PLOTS_DIR) / "training_curves.png"
         ev.plot_training_curves({s: Path(PLOTS_DIR) / f"{s}.csv" for s in TRAINING_CSVS}, stage(path))
+        path = written["train_json"] = Path(METRICS_DIR) / "train.json"  # for `dvc exp show` / `metrics diff`
+        files.write_json_atomic(stage(path), {s: ev.training_summary(Path(PLOTS_DIR) / f"{s}.csv") for s in TRAINING_CSVS})
         path = written["eval_json"] = Path(METRICS_DIR) / "eval.json"
         files.write_json_atomic(stage(path), metrics)
     return written

@@ -53,7 +53,7 @@ STAGE_IO = {  # stage -> (init checkpoint, train file, held-out file)
 REFERENCE = "sft"
 CSV_COLUMNS = ["iteration", "reward", "reward_std", "informative", "kl", "clipfrac", "loss", "grad_norm",
                "response_len", "truncated", "entropy", "lr", "dropped_groups", "reward_sampled",
-               "informative_sampled", "skipped_steps", "tokens_per_s", "accuracy"]
+               "informative_sampled", "skipped_steps", "accuracy"]  # no wall-clock figure: the file is git-tracked
 
 
 @dataclass
