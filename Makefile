@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (Python >= 3.11), in either order:
-#   make run [GSM8K=/path/to/gsm8k]   venv + install + the whole pipeline (dvc repro) on params.yaml
+#   make run [GSM8K=/path/to/gsm8k]   venv + install + the whole pipeline (DVC's stages) on params.yaml
 #   make test                         venv + install + the fast test suite (everything not marked slow)
 #   make test-all                     the full suite: slow and integration tests too (what CI runs)
 PYTHON     ?= python3
@@ -28,16 +28,15 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(BIN)/python -m pip install --quiet -e ".[dev]" -c requirements.lock
 	touch $@
 
-# The main job: every stage through DVC. With GSM8K=PATH the local copy is written into params.yaml
-# (data.gsm8k_source) so DVC tracks it, and the Hugging Face hub is never contacted.
+# The main job: every stage through DVC, as the Prefect flow runs it (flows/grpo_pipeline.py): DVC
+# decides what is up to date, one MLflow parent run holds the stages, the end is a table of the
+# headline numbers. With GSM8K=PATH the local copy is a DVC-tracked override (data.gsm8k_source), so
+# the run is a DVC experiment: tracked files stay as they are (`dvc exp show` lists it, `dvc exp
+# apply NAME` takes it into the workspace), and the Hugging Face hub is never contacted.
 run: setup
-ifneq ($(strip $(GSM8K)),)
-	sed -i.bak -E 's|^(  gsm8k_source:).*|\1 $(GSM8K)|' params.yaml && rm -f params.yaml.bak
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
-else
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
-endif
-	$(BIN)/dvc metrics show
+	$(if $(strip $(GSM8K)),HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1) \
+	  PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m flows.grpo_pipeline \
+	  $(if $(strip $(GSM8K)),--set data.gsm8k_source=$(abspath $(GSM8K)))
 
 # Tests read GSM8K from the committed fixture (tests/fixtures/gsm8k) and never contact a hub.
 TEST_ENV := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(abspath $(BIN)):$$PATH"

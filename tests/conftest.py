@@ -203,7 +203,7 @@ def smoke_outputs() -> set[str]:
     files |= {f"plots/{n}" for n in ("sft.csv", "warmup.csv", "grpo.csv", "accuracy.csv", "accuracy.png",
                                      "training_curves.png")}
     files |= {f"reports/predictions_{s}_{t}.csv" for s in ("sft", "warmup", "grpo") for t in ("gsm8k", "arith")}
-    return files | {"metrics/eval.json"}
+    return files | {"metrics/eval.json", "metrics/train.json"}
 
 
 def task_runs_of(flow_run_id, expect=(), timeout: float = 60.0):

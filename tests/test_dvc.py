@@ -3,6 +3,7 @@ pipeline under DVC: repro, no-op repro, experiments, metrics/plots diff, push/pu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -82,9 +83,15 @@ def test_deps_exist_or_come_from_upstream_and_outs_follow_the_layout():
     assert {"plots/accuracy.csv", "plots/accuracy.png", "plots/training_curves.png", "reports"} <= set(ev)
     assert {f"data/{f}" for f in ("gsm8k_train.jsonl", "gsm8k_val.jsonl", "gsm8k_test.jsonl", "arith_train.jsonl",
                                   "arith_eval.jsonl", "tokenizer.json", "stats.json")} == set(_outs(stages["prepare"]))
-    top = spec()["plots"]
-    training = next(p["training"] for p in top if isinstance(p, dict) and "training" in p)
-    assert training["x"] == "iteration" and set(training["y"]) == {"plots/warmup.csv", "plots/grpo.csv"}
+    assert ev["metrics/train.json"] == {"kind": "metrics", "cache": False}
+    top = {name: p for item in spec()["plots"] if isinstance(item, dict) for name, p in item.items()}
+    for signal in ("reward", "kl", "informative", "clipfrac"):  # one plot per signal, against the iteration
+        assert top[signal]["x"] == "iteration" and top[signal]["y"] == {"plots/warmup.csv": signal,
+                                                                        "plots/grpo.csv": signal}
+    assert top["sft_loss"]["x"] == "step"
+    assert top["accuracy"]["template"] == "accuracy_by_task"
+    template = json.loads((REPO / ".dvc" / "plots" / "accuracy_by_task.json").read_text())
+    assert template["encoding"]["row"]["field"] == "task"  # grouped by task
 
 
 def test_dvc_config_has_analytics_off_and_ignores_bytecode():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import STAGES
-from tests.conftest import copy_repo, output_files, smoke_outputs, task_runs_of
+from tests.conftest import GSM8K, REPO, copy_repo, output_files, smoke_outputs, task_runs_of
 
 
 def settled_state(state, timeout: float = 60.0):
@@ -78,30 +78,11 @@ def test_retry_conditions_retry_only_transient_failures():
     assert all(t.retry_condition_fn is not None for t in (sft,))
 
 
-def test_stage_task_fn_loads_config_and_exports_tracking_env(monkeypatch, tmp_path):
-    import tasks.stages as ts
-
-    seen = {}
-
-    def fake_stage(cfg):
-        seen.update(kl=cfg.grpo.kl_coef, parent=os.environ.get("GRPO_PARENT_RUN_ID"))
-        return {"checkpoint": Path("checkpoints/grpo"), "reward": 0.5}
-
-    monkeypatch.setattr(ts, "stage_function", lambda name: fake_stage)
-    monkeypatch.delenv("GRPO_PARENT_RUN_ID", raising=False)
-    params = tmp_path / "p.yaml"
-    params.write_text("grpo:\n  kl_coef: 0.04\n")
-    out = ts.grpo.fn(str(params), ["grpo.kl_coef=0.02"], parent_run_id="abc123")
-    assert out == {"stage": "grpo", "checkpoint": "checkpoints/grpo", "reward": 0.5}  # JSON-only
-    assert seen == {"kl": 0.02, "parent": "abc123"}
-    assert "GRPO_PARENT_RUN_ID" not in os.environ  # restored after the stage
-    assert list(ts.STAGE_TASKS) == list(STAGES) and [t.name for t in ts.STAGE_TASKS.values()] == list(STAGES)
-
-
-def test_flow_rejects_bad_config_before_any_task(tmp_path, harness):
+def test_flow_rejects_bad_config_before_any_task(tmp_path, harness, monkeypatch):
     from flows.grpo_pipeline import grpo_pipeline
     from pipeline.config import ConfigError
 
+    monkeypatch.chdir(REPO)
     params = tmp_path / "p.yaml"
     params.write_text("grpo:\n  kl_coefs: 0.1\n")
     state = grpo_pipeline(str(params), return_state=True)
@@ -111,89 +92,135 @@ def test_flow_rejects_bad_config_before_any_task(tmp_path, harness):
     assert task_runs_of(state.state_details.flow_run_id) == []
 
 
-def test_flow_structure_with_fake_stages(monkeypatch, tmp_path, harness):
-    """Fast: one task run per stage in order, MLflow parent + nested runs, the eval artifact."""
-    import tasks.stages as ts
+def logs_of(flow_run_id, task_run_ids, timeout: float = 60.0):
+    """{task run id: [messages]} once every given task run has a log line (logs arrive in batches)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            per_task = {t: [lg.message for lg in logs if lg.task_run_id == t] for t in task_run_ids}
+            if all(per_task.values()) or time.monotonic() > deadline:
+                return per_task
+            time.sleep(1)
+
+
+def sh(cwd, *args) -> str:
+    """`dvc ...` through this interpreter, or git; fails the test with the output on a non-zero exit."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "dvc", *args[1:]] if args[0] == "dvc" else list(args)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False, timeout=900)
+    assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
+    return proc.stdout
+
+
+def experiment(repo: Path, name: str) -> dict:
+    """The `data` of experiment `name` as `dvc exp show --json` lists it (params, metrics)."""
+    shown = json.loads(sh(repo, "dvc", "exp", "show", "--json"))
+    revs = [r for row in shown for e in (row.get("experiments") or []) for r in e["revs"]]
+    [mine] = [r for r in revs if r.get("name") == name]
+    return mine["data"]
+
+
+def by_stage(runs) -> dict:
+    return {r.name.rsplit("-", 1)[0]: r for r in runs}  # task run names are "<task>-<n>"
+
+
+def tracked_repo(tmp_path: Path, experiment: str) -> Path:
+    """A git copy of the repo on smoke params with tracking on (the repo's own mlflow.db)."""
+    from flows.experiment import apply_overrides
+
+    repo = copy_repo(tmp_path / "repo")
+    apply_overrides(repo / "params.yaml", ["tracking.enabled=true", f"tracking.experiment={experiment}"])
+    sh(repo, "git", "commit", "-qam", "tracking on")
+    return repo
+
+
+@pytest.mark.slow
+def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harness, monkeypatch):
+    """After `dvc repro` by hand the flow runs nothing; an override re-runs only grpo and evaluate, in
+    an experiment that `dvc exp show` lists while the workspace stays as it was; the graph is the
+    chain, every stage logs to Prefect, the artifacts exist, MLflow has one parent per flow run."""
+    from mlflow.tracking import MlflowClient
+
     from flows.grpo_pipeline import grpo_pipeline
 
-    order = []
-
-    def fake(name):
-        def run(cfg):
-            order.append((name, os.environ.get("GRPO_PREFECT_FLOW_RUN_ID")))
-            from pipeline.tracking import stage_logger
-
-            with stage_logger(cfg, name) as log:
-                log.log_metrics({"train/reward": 1.0}, step=0)
-            return {"metrics": {"sft": {"gsm8k_accuracy": 0.1}, "grpo": {"gsm8k_accuracy": 0.2}}} if name == "evaluate" else {}
-        return run
-
-    monkeypatch.setattr(ts, "stage_function", fake)
+    repo = tracked_repo(tmp_path, "flows")
+    monkeypatch.chdir(repo)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = "sqlite:///" + str(tmp_path / "mlflow.db")
-    params = tmp_path / "p.yaml"
-    params.write_text(f"tracking:\n  enabled: true\n  uri: {uri}\n  experiment: flowtest\n")
-    state = grpo_pipeline(str(params), return_state=True)
+    sh(repo, "dvc", "repro")
+    head = sh(repo, "git", "rev-parse", "HEAD").strip()
+    before = {p: (repo / p).read_bytes() for p in ("params.yaml", "dvc.lock", "metrics/eval.json",
+                                                   "checkpoints/grpo/model.safetensors", "plots/grpo.csv")}
+
+    state = grpo_pipeline(return_state=True)  # nothing changed since `dvc repro`: DVC skips every stage
     assert state.is_completed(), state
-    flow_run_id = state.state_details.flow_run_id
-    assert [n for n, _ in order] == list(STAGES)
-    assert {fr for _, fr in order} == {str(flow_run_id)}
-    runs = task_runs_of(flow_run_id, expect=STAGES)
-    names = [r.name.rsplit("-", 1)[0] for r in runs]  # task run names are "<task>-<n>"
-    assert sorted(n for n in names if n in STAGES) == sorted(STAGES)
-    assert all(r.state.is_completed() for r in runs)
+    first, first_id = state.result(), state.state_details.flow_run_id
+    assert {s: first[s]["status"] for s in STAGES} == {s: "skipped" for s in STAGES}
+
+    state = grpo_pipeline(overrides=["grpo.kl_coef=0.02"], return_state=True)
+    assert state.is_completed(), state
+    out, flow_run_id = state.result(), state.state_details.flow_run_id
+    assert {s: out[s]["status"] for s in STAGES} == {"prepare": "skipped", "sft": "skipped", "warmup": "skipped",
+                                                      "grpo": "ran", "evaluate": "ran"}
+    assert {p: (repo / p).read_bytes() for p in before} == before  # the workspace as it was found
+    assert "up to date" in sh(repo, "dvc", "status")
+    data = experiment(repo, out["experiment"])  # `dvc exp show` lists it, with its param and metrics
+    assert data["params"]["params.yaml"]["data"]["grpo"]["kl_coef"] == 0.02
+    assert "reward_final" in data["metrics"]["metrics/train.json"]["data"]["grpo"]
+
+    # the graph is the chain, and every stage logged to Prefect
+    runs = by_stage(task_runs_of(flow_run_id, expect=STAGES))
+    for prev, name in zip(STAGES, STAGES[1:]):
+        assert [i.id for i in runs[name].task_inputs["upstream"]] == [runs[prev].id], name
+    logs = logs_of(flow_run_id, [runs[s].id for s in STAGES])
+    assert all(logs[runs[s].id] for s in STAGES), logs
+    assert any(m.startswith("grpo 2/2") for m in logs[runs["grpo"].id]), logs[runs["grpo"].id]
     arts = {a.key: a for a in artifacts_of(flow_run_id)}
-    assert arts["grpo-eval"].type == "table" and "gsm8k_accuracy" in str(arts["grpo-eval"].data)
-    from mlflow.tracking import MlflowClient
+    assert {"grpo-sft", "grpo-warmup", "grpo-grpo", "grpo-eval"} <= set(arts)
+    assert "| reward |" in arts["grpo-grpo"].data and "runs:/" in arts["grpo-grpo"].data
 
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name("flowtest")
+    # MLflow: the bare `dvc repro` logged one top-level run per stage; each flow run one parent
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("flows")
     all_runs = client.search_runs([exp.experiment_id])
-    parents = [r for r in all_runs if r.data.tags.get("grpo.role") == "pipeline"]
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    assert parents[0].data.tags["prefect.flow_run_id"] == str(flow_run_id)
-    children = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert sorted(r.info.run_name for r in children) == sorted(STAGES)
-
-
-def test_failed_stage_fails_the_flow_and_marks_parent_failed(monkeypatch, tmp_path, harness):
-    import tasks.stages as ts
-    from flows.grpo_pipeline import grpo_pipeline
-
-    def fake(name):
-        def run(cfg):
-            if name == "warmup":
-                raise RuntimeError("diverged")
-            return {}
-        return run
-
-    monkeypatch.setattr(ts, "stage_function", fake)
-    uri = "sqlite:///" + str(tmp_path / "mlflow.db")
-    params = tmp_path / "p.yaml"
-    params.write_text(f"tracking:\n  enabled: true\n  uri: {uri}\n  experiment: failtest\n")
-    state = settled_state(grpo_pipeline(str(params), return_state=True))
-    assert state.is_failed(), state
-    runs = {r.name.rsplit("-", 1)[0]: r for r in task_runs_of(state.state_details.flow_run_id, expect={"warmup"})}
-    assert runs["warmup"].state.is_failed() and runs["warmup"].run_count == 1  # training is not retried
-    assert "grpo" not in runs
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name("failtest")
-    [parent] = client.search_runs([exp.experiment_id])
-    assert parent.info.status == "FAILED"
+    assert {r.info.status for r in all_runs} == {"FINISHED"}
+    top = [r for r in all_runs if "mlflow.parentRunId" not in r.data.tags and r.data.tags.get("grpo.role") == "stage"]
+    assert sorted(r.data.tags["dvc.stage"] for r in top) == sorted(STAGES)
+    parents = {r.data.tags["prefect.flow_run_id"]: r for r in all_runs if r.data.tags.get("grpo.role") == "pipeline"}
+    assert set(parents) == {str(first_id), str(flow_run_id)}
+    mine = parents[str(flow_run_id)]
+    children = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == mine.info.run_id]
+    assert sorted(r.data.tags["grpo.stage"] for r in children) == ["evaluate", "grpo"]
+    assert {r.data.tags["mlflow.source.git.commit"] for r in all_runs} == {head}
+    assert "grpo/reward" in mine.data.metrics and any(k.startswith("eval/grpo/") for k in mine.data.metrics)
+    assert mine.data.tags["grpo.experiment"] == out["experiment"]
+    versions = client.search_model_versions("name = 'grpo-policy'")
+    assert versions and any(k.startswith("eval.") for v in versions for k in v.tags)
 
 
 # --------------------------------------------------------------------------- end to end (real smoke stages)
 
+@pytest.mark.slow
 def test_smoke_pipeline_through_flow(tmp_path, harness, monkeypatch):
-    """The real smoke pipeline through the flow: one task run per stage, the artifact, the file set."""
+    """The real smoke pipeline through the flow, no git needed: one task run per stage, the
+    artifact, the same file set as `dvc repro`."""
+    from flows.experiment import apply_overrides
     from flows.grpo_pipeline import grpo_pipeline
 
     flow_dir = copy_repo(tmp_path / "flow", git=False)
+    apply_overrides(flow_dir / "params.yaml", ["tracking.enabled=true"])
     monkeypatch.chdir(flow_dir)
-    state = grpo_pipeline("params.yaml", ["tracking.enabled=true", "tracking.uri=sqlite:///mlflow.db"],
-                          return_state=True)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    state = grpo_pipeline("params.yaml", return_state=True)
     assert state.is_completed(), state
     flow_run_id = state.state_details.flow_run_id
     runs = task_runs_of(flow_run_id, expect=STAGES)

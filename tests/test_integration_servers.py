@@ -93,12 +93,19 @@ def prefect_server(tmp_path):
         stop(proc)
 
 
+@pytest.mark.slow
 def test_served_deployment_runs_on_trigger(tmp_path, prefect_server):
+    """A triggered run with an override is a DVC experiment: the workspace's params and outputs stay
+    as they were, `dvc status` is clean, `dvc exp show` lists it; the deployment holds limit 1."""
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from tests.test_flows import experiment, sh
 
-    repo = copy_repo(tmp_path / "repo", git=False)
+    repo = copy_repo(tmp_path / "repo")
+    sh(repo, "dvc", "repro")
+    before = {p: (repo / p).read_bytes() for p in ("params.yaml", "dvc.lock", "metrics/eval.json",
+                                                   "checkpoints/grpo/model.safetensors")}
     env = {**base_env(repo), **prefect_server["env"]}
     log = tmp_path / "serve.log"
     serve = start([sys.executable, "-m", "flows.serve", "--name", "itest", "--cron", "0 3 * * *",
@@ -119,13 +126,19 @@ def test_served_deployment_runs_on_trigger(tmp_path, prefect_server):
                         time.sleep(0.5)
             crons = [getattr(s.schedule, "cron", None) for s in deployment.schedules]
             assert crons == ["0 3 * * *"] and deployment.parameters["params_path"] == "params.yaml"
-            flow_run = run_deployment("grpo-pipeline/itest", timeout=300, poll_interval=2)
+            assert deployment.global_concurrency_limit.limit == 1  # held by the server, not the process
+            flow_run = run_deployment("grpo-pipeline/itest", parameters={"overrides": ["grpo.kl_coef=0.02"]},
+                                      timeout=600, poll_interval=2)
             assert flow_run.state.is_completed(), (flow_run.state, log.read_text()[-4000:])
             runs = task_runs_of(flow_run.id, expect=STAGES)
             for stage in STAGES:
                 mine = [r for r in runs if r.name.rsplit("-", 1)[0] == stage]
                 assert len(mine) == 1 and mine[0].state.is_completed(), (stage, runs)
-        assert (repo / "metrics" / "eval.json").is_file()  # ran in the served working directory
+        assert {p: (repo / p).read_bytes() for p in before} == before  # the workspace as it was found
+        assert "up to date" in sh(repo, "dvc", "status")
+        data = experiment(repo, flow_run.name)
+        assert data["params"]["params.yaml"]["data"]["grpo"]["kl_coef"] == 0.02
+        assert "grpo" in data["metrics"]["metrics/train.json"]["data"]
     finally:
         stop(serve)
 
@@ -171,17 +184,17 @@ def test_smoke_pipeline_logs_to_mlflow_server(tmp_path, mlflow_server):
     stages = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert {"prepare", "sft", "warmup", "grpo", "evaluate"} <= set(stages)
     grpo = stages["grpo"]
-    history = client.get_metric_history(grpo.info.run_id, "train/reward")
+    history = client.get_metric_history(grpo.info.run_id, "grpo/reward")
     steps = [m.step for m in history]  # one point per iteration, stepped by iteration
     assert len(steps) == 2 and steps == sorted(set(steps))
-    assert grpo.data.params["grpo.kl_coef"] and grpo.data.tags["git.commit"]
+    assert grpo.data.params["grpo.kl_coef"] and grpo.data.tags["grpo.stage"] == "grpo"
     assert any(k.startswith("eval/") for k in stages["evaluate"].data.metrics)
     assert client.list_artifacts(stages["evaluate"].info.run_id)
 
     # compare: the CLI table reads the same server
     cmp = subprocess.run([sys.executable, "-m", "pipeline", "compare", *track], cwd=repo, env=env,
                          capture_output=True, text=True, check=False, timeout=120)
-    assert cmp.returncode == 0 and "grpo:train/reward" in cmp.stdout, cmp.stderr[-2000:]
+    assert cmp.returncode == 0 and "grpo/reward" in cmp.stdout, cmp.stderr[-2000:]
 
     # the server gone: a training stage fails before training (no iteration logged, no resume
     # state written) and keeps its outputs

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,8 +15,9 @@ import pytest
 import torch
 
 from pipeline.config import Config, TrackingConfig
-from pipeline.tracking import (NullLogger, TrackingUnavailableError, compare_runs, end_pipeline_run,
-                               stage_logger, start_pipeline_run)
+from pipeline.tracking import (NullLogger, TrackingUnavailableError, end_pipeline_run, stage_logger,
+                               start_pipeline_run, temporary_env)
+from pipeline.tracking.compare import compare_text as compare_runs
 from tests.conftest import GSM8K, QUIET_ENV, REPO
 
 
@@ -83,7 +83,7 @@ def test_tables_under_one_name_append_and_a_failing_call_stops_only_its_kind(sto
     assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
     (run,) = [r for r in runs(store, "tables") if r.data.tags.get("grpo.role") == "stage"]
     c = client(store)
-    assert [m.step for m in c.get_metric_history(run.info.run_id, "train/reward")] == [1, 2, 3]
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "warmup/reward")] == [1, 2, 3]
     table = json.loads(Path(c.download_artifacts(run.info.run_id, "samples/warmup.json", str(tmp_path))).read_text())
     assert [row[table["columns"].index("iteration")] for row in table["data"]] == [1, 2, 3]
     assert json.loads(run.data.tags["mlflow.loggedArtifacts"]) == [{"path": "samples/warmup.json", "type": "table"}]
@@ -98,74 +98,68 @@ def test_disabled_tracking_yields_null_logger():
     assert start_pipeline_run(cfg) is None
 
 
-def test_stages_share_one_parent_and_evaluate_closes_it(store):
-    cfg = make_cfg(store, "parents")
+def by_stage(all_runs) -> dict:
+    return {r.data.tags["grpo.stage"]: r for r in all_runs if r.data.tags.get("grpo.role") == "stage"}
+
+
+def test_bare_stages_log_one_top_level_run_each(store, monkeypatch):
+    """`dvc repro` by hand: no parent; each stage one run, tagged with its stage, DVC stage and experiment."""
+    cfg = make_cfg(store, "bare")
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-a")
     for stage in ("prepare", "sft", "grpo"):
+        monkeypatch.setenv("DVC_STAGE", stage)
         with stage_logger(cfg, stage) as log:
             for it in range(3):
                 log.log_metrics({"train/reward": 0.1 * it, "train/kl": 0.01}, step=it)
             log.log_params({"extra.n_params": 123, "grpo.kl_coef": cfg.grpo.kl_coef})  # repeat is fine
-            log.set_tags({"note": "x"})
-    with stage_logger(cfg, "evaluate") as log:
-        log.log_table([{"stage": "grpo", "accuracy": 0.5}, {"stage": "sft", "accuracy": 0.25}], "eval_table")
-        Path("report.txt").write_text("hello")
-        log.log_artifact("report.txt")
-    all_runs = runs(store, "parents")
-    parents = [r for r in all_runs if r.data.tags.get("grpo.role") == "pipeline"]
-    stages = [r for r in all_runs if r.data.tags.get("grpo.role") == "stage"]
-    assert len(parents) == 1 and [r.info.run_name for r in stages] == ["prepare", "sft", "grpo", "evaluate"]
-    parent = parents[0]
-    assert parent.info.status == "FINISHED" and parent.data.tags["pipeline_run"]
-    assert parent.data.params["grpo.kl_coef"] == str(cfg.grpo.kl_coef)
-    for r in stages:
-        assert r.data.tags["mlflow.parentRunId"] == parent.info.run_id
-        assert r.info.status == "FINISHED" and "git.commit" in r.data.tags
+    all_runs = runs(store, "bare")
+    assert [r.data.tags["grpo.stage"] for r in all_runs] == ["prepare", "sft", "grpo"]
+    for r in all_runs:
+        assert "mlflow.parentRunId" not in r.data.tags and r.info.status == "FINISHED"
+        assert r.data.tags["dvc.stage"] == r.data.tags["grpo.stage"] and r.data.tags["dvc.exp_name"] == "exp-a"
+        assert r.info.run_name.startswith(r.data.tags["grpo.stage"] + " · exp-a")
         # what the floats depend on beyond code and params: torch build and the CPU's kernel set
         assert r.data.tags["env.torch"] == torch.__version__
         assert r.data.tags["env.cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
         assert r.data.params["sft.steps"] == str(cfg.sft.steps)
-    grpo = stages[2]
-    hist = client(store).get_metric_history(grpo.info.run_id, "train/reward")
+    grpo = by_stage(all_runs)["grpo"]
+    hist = client(store).get_metric_history(grpo.info.run_id, "grpo/reward")  # namespaced by stage
     assert [(m.step, round(m.value, 3)) for m in hist] == [(0, 0.0), (1, 0.1), (2, 0.2)]
-    assert grpo.data.params["extra.n_params"] == "123"
-    arts = {a.path for a in client(store).list_artifacts(stages[3].info.run_id)}
-    assert {"eval_table.json", "report.txt"} <= arts
-    # the next execution with the same params gets a fresh parent (the first one is FINISHED)
-    with stage_logger(cfg, "prepare"):
-        pass
-    assert len([r for r in runs(store, "parents") if r.data.tags.get("grpo.role") == "pipeline"]) == 2
+    assert "train/reward" not in grpo.data.metrics and grpo.data.params["extra.n_params"] == "123"
+    assert f"kl_coef={cfg.grpo.kl_coef:g}" in grpo.info.run_name  # the list of runs reads
 
 
-def test_failed_stage_marks_runs_failed_and_rerun_continues_in_same_parent(store):
-    cfg = make_cfg(store, "resume")
+def test_stages_nest_under_the_parent_they_are_given(store):
+    cfg = make_cfg(store, "parents")
+    parent = start_pipeline_run(cfg, name="pipeline all", tags={"prefect.flow_run_id": "abc"})
+    with temporary_env({"GRPO_PARENT_RUN_ID": parent, "GRPO_PREFECT_FLOW_RUN_ID": "abc"}):
+        for stage in ("grpo", "evaluate"):
+            with stage_logger(cfg, stage) as log:
+                log.log_metrics({"train/reward": 0.5} if stage == "grpo" else {"eval/grpo/gsm8k_accuracy": 0.25}, 0)
+                if stage == "evaluate":
+                    log.log_table([{"stage": "grpo", "accuracy": 0.5}], "eval_table")
+                    Path("report.txt").write_text("hello")
+                    log.log_artifact("report.txt")
+    all_runs = runs(store, "parents")
+    assert client(store).get_run(parent).info.status == "RUNNING"  # the caller closes it, not a stage
+    stages = by_stage(all_runs)
+    for r in stages.values():
+        assert r.data.tags["mlflow.parentRunId"] == parent and r.data.tags["prefect.flow_run_id"] == "abc"
+    assert {"eval_table.json", "report.txt"} <= {a.path for a in client(store).list_artifacts(stages["evaluate"].info.run_id)}
+    end_pipeline_run(cfg, parent, "FINISHED")
+    done = client(store).get_run(parent)
+    assert done.info.status == "FINISHED" and done.info.run_name == "pipeline all"
+    assert done.data.metrics == {"grpo/reward": 0.5, "eval/grpo/gsm8k_accuracy": 0.25}  # the stages' finals
+    assert done.data.params["grpo.kl_coef"] == str(cfg.grpo.kl_coef)
+
+
+def test_failed_stage_marks_its_run_failed(store):
+    cfg = make_cfg(store, "failed")
     with pytest.raises(RuntimeError), stage_logger(cfg, "grpo") as log:
         log.log_metrics({"train/reward": 0.0}, step=0)
-        raise RuntimeError("killed")
-    first = runs(store, "resume")
-    assert {r.info.run_name: r.info.status for r in first}["grpo"] == "FAILED"
-    with stage_logger(cfg, "grpo"):
-        pass
-    with stage_logger(cfg, "evaluate"):
-        pass
-    after = runs(store, "resume")
-    parents = [r for r in after if r.data.tags.get("grpo.role") == "pipeline"]
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    assert len(after) == 4  # parent + failed grpo + resumed grpo + evaluate
-
-
-def test_flow_parent_from_env_is_not_closed_by_stages(store, monkeypatch):
-    cfg = make_cfg(store, "flow")
-    parent = start_pipeline_run(cfg, name="flow-x", tags={"prefect.flow_run_id": "abc"})
-    monkeypatch.setenv("GRPO_PARENT_RUN_ID", parent)
-    monkeypatch.setenv("GRPO_PREFECT_FLOW_RUN_ID", "abc")
-    with stage_logger(cfg, "evaluate"):
-        pass
-    rs = {r.info.run_name: r for r in runs(store, "flow")}
-    assert rs["flow-x"].info.status == "RUNNING"
-    assert rs["evaluate"].data.tags["mlflow.parentRunId"] == parent
-    assert rs["evaluate"].data.tags["prefect.flow_run_id"] == "abc"
-    end_pipeline_run(cfg, parent, "FINISHED")
-    assert client(store).get_run(parent).info.status == "FINISHED"
+        raise RuntimeError("diverged")
+    [run] = runs(store, "failed")
+    assert run.info.status == "FAILED"
 
 
 def test_env_tracking_uri_overrides_config(store, monkeypatch):
@@ -173,36 +167,7 @@ def test_env_tracking_uri_overrides_config(store, monkeypatch):
     cfg = make_cfg("http://127.0.0.1:1", "env-override")  # would fail if used
     with stage_logger(cfg, "sft"):
         pass
-    assert len(runs(store, "env-override")) == 2
-
-
-def test_dvc_tags_hash_stage_inputs(tmp_path, monkeypatch):
-    from pipeline.tracking_mlflow import dvc_tags
-
-    (tmp_path / "code.py").write_text("x = 1\n")
-    (tmp_path / "dvc.yaml").write_text(textwrap.dedent("""\
-        stages:
-          grpo:
-            cmd: python -m pipeline grpo
-            params: [grpo]
-            deps: [checkpoints/warmup, code.py]
-        """))
-    (tmp_path / "dvc.lock").write_text(textwrap.dedent("""\
-        schema: '2.0'
-        stages:
-          warmup:
-            outs:
-            - path: checkpoints/warmup
-              md5: aaaa.dir
-        """))
-    monkeypatch.setenv("DVC_STAGE", "grpo")
-    cfg = Config()
-    tags = dvc_tags("grpo", cfg, tmp_path)
-    assert tags["dvc.stage"] == "grpo" and len(tags["dvc.lock_md5"]) == 32
-    cfg.grpo.kl_coef = 0.5
-    assert dvc_tags("grpo", cfg, tmp_path)["dvc.inputs_md5"] != tags["dvc.inputs_md5"]
-    (tmp_path / "code.py").write_text("x = 2\n")
-    assert dvc_tags("grpo", Config(), tmp_path)["dvc.inputs_md5"] != tags["dvc.inputs_md5"]
+    assert len(runs(store, "env-override")) == 1
 
 
 def test_unreachable_server_fails_fast_with_one_line(monkeypatch):
@@ -230,17 +195,20 @@ def test_compare_cli_fails_fast_when_server_down(tmp_path):
 def test_compare_runs_lists_pipelines_side_by_side(store):
     for kl in (0.04, 0.02):
         cfg = make_cfg(store, "compare", kl_coef=kl)
-        with stage_logger(cfg, "grpo") as log:
-            log.log_metrics({"train/reward": kl * 10}, step=0)
-            log.log_metrics({"train/reward": kl * 20}, step=1)
-        with stage_logger(cfg, "evaluate") as log:
-            log.log_metrics({"eval/gsm8k_accuracy": kl}, step=0)
+        parent = start_pipeline_run(cfg)
+        with temporary_env({"GRPO_PARENT_RUN_ID": parent}):
+            with stage_logger(cfg, "grpo") as log:
+                log.log_metrics({"train/reward": kl * 10}, step=0)
+                log.log_metrics({"train/reward": kl * 20}, step=1)
+            with stage_logger(cfg, "evaluate") as log:
+                log.log_metrics({"eval/gsm8k_accuracy": kl}, step=0)
+        end_pipeline_run(cfg, parent)
     text = compare_runs(make_cfg(store, "compare"))
     assert "2 pipeline run(s)" in text
     lines = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:]}
     assert lines["param:grpo.kl_coef"] == ["0.02", "0.04"]  # newest first
-    assert lines["grpo:train/reward"] == ["0.4", "0.8"]  # final (last step) values
-    assert "evaluate:eval/gsm8k_accuracy" in lines
+    assert lines["grpo/reward"] == ["0.4", "0.8"]  # final (last step) values
+    assert "eval/gsm8k_accuracy" in lines
     assert "no pipeline runs" in compare_runs(make_cfg(store, "empty"))
 
 
@@ -256,7 +224,7 @@ def test_prepare_is_a_stage_run_with_its_data_figures(store, tmp_path):
                                    arith_eval_size=20, vocab_size=400)
     out = run_prepare(cfg)
     (run,) = [r for r in runs(store, "prepare-run") if r.data.tags.get("grpo.role") == "stage"]
-    assert run.info.run_name == "prepare" and run.info.status == "FINISHED"
+    assert run.info.run_name.startswith("prepare") and run.info.status == "FINISHED"
     m = run.data.metrics
     assert m["data/gsm8k_train_rows"] == out["counts"]["gsm8k_train"] == 80 - 20
     assert m["data/arith_eval_rows"] == 20 and m["data/rejected_rows"] == 0

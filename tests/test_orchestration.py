@@ -1,0 +1,214 @@
+"""Where the tools meet (docs/orchestration.md): the workspace lock, the tracking URI and git state
+rules, overrides applied as `dvc exp run -S` does, configs DVC can set, the cron check (fast); a
+second concurrent stage and a killed one, with real stage processes (default suite)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import QUIET_ENV, REPO, copy_repo
+
+ENV = {**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO)}
+
+
+def cli(cwd: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env={**ENV, **(env or {})}, capture_output=True,
+                          text=True, check=False, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- the lock (fast)
+
+def test_lock_refuses_a_second_holder_and_clears_a_dead_ones(tmp_path):
+    from pipeline.lock import LOCK_FILE, WorkspaceBusyError, read_holder, workspace_lock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pipeline.lock import workspace_lock\n"
+                               "with workspace_lock('stage sft'):\n    print('held', flush=True); time.sleep(60)"],
+                              cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkspaceBusyError, match=rf"stage sft \(pid {holder.pid} "):
+            with workspace_lock("stage grpo", tmp_path):
+                pass
+    finally:
+        holder.kill()  # SIGKILL: the lock file stays behind, naming a dead pid
+        holder.wait()
+    assert read_holder(tmp_path)["pid"] == holder.pid
+    with workspace_lock("stage grpo", tmp_path) as mine:  # stale: cleared and taken
+        assert read_holder(tmp_path)["token"] == mine["token"]
+        with workspace_lock("stage grpo (torchrun rank)", tmp_path):  # our own child passes (token in env)
+            pass
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_second_concurrent_stage_exits_2_with_one_line_naming_the_first(tmp_path):
+    """A real stage holds the lock; the same stage started again in the folder stops before any work."""
+    repo = copy_repo(tmp_path / "repo", git=False)
+    first = subprocess.Popen([sys.executable, "-m", "pipeline", "prepare", "--set", "data.arith_train_size=200000"],
+                             cwd=repo, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (repo / ".pipeline.lock").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took the lock"
+            time.sleep(0.2)
+        second = cli(repo, "pipeline", "prepare")
+        assert second.returncode == 2
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"pid {first.pid}" in lines[0] and "stage prepare" in lines[0], second.stderr
+        assert not (repo / "data" / "stats.json").exists()  # the second one wrote nothing
+    finally:
+        first.kill()
+        first.wait()
+
+
+# --------------------------------------------------------------------------- tracking rules (fast)
+
+def test_relative_sqlite_uri_resolves_at_the_repository_root(tmp_path, monkeypatch):
+    from pipeline.tracking import resolve_uri
+
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "user-repo"))  # what DVC sets, also under --temp
+    assert resolve_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path / 'user-repo' / 'mlflow.db'}"
+    assert resolve_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert resolve_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    monkeypatch.delenv("DVC_ROOT")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+
+
+def test_git_state_ignores_pipeline_outputs_but_not_code(tmp_path):
+    from pipeline.tracking import git_state
+
+    env = {**ENV, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "grpo.csv").write_text("iteration,reward\n0,0.5\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "c"]):
+        subprocess.run(cmd, cwd=tmp_path, env=env, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_state(tmp_path) == (head, False)
+    (tmp_path / "plots" / "grpo.csv").unlink()  # DVC removes a stage's outs before running it
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\n")  # untracked
+    assert git_state(tmp_path) == (head, False)
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_state(tmp_path) == (head, True)
+
+
+def test_stage_metrics_are_namespaced_by_stage():
+    from pipeline.tracking import StageNamespace
+
+    seen = {}
+
+    class Recorder:
+        def log_metrics(self, metrics, step):
+            seen.update(metrics)
+
+    StageNamespace(Recorder(), "warmup").log_metrics({"train/reward": 0.5, "eval/x": 1.0}, step=0)
+    assert seen == {"warmup/reward": 0.5, "eval/x": 1.0}
+
+
+# --------------------------------------------------------------------------- params and configs (fast)
+
+def test_overrides_keep_comments_and_name_a_missing_key(tmp_path):
+    from flows.experiment import apply_overrides
+    from pipeline.errors import InputError
+
+    params = tmp_path / "params.yaml"
+    params.write_text("# header\ngrpo:\n  # the KL weight\n  kl_coef: 0.04\n  lr: 1.0e-05  # step size\n")
+    apply_overrides(params, ["grpo.kl_coef=0.02"])
+    assert params.read_text() == "# header\ngrpo:\n  # the KL weight\n  kl_coef: 0.02\n  lr: 1.0e-05  # step size\n"
+    with pytest.raises(InputError, match="params.yaml: cannot apply grpo.kl_coefs=1"):
+        apply_overrides(params, ["grpo.kl_coefs=1"])
+
+
+@pytest.mark.parametrize("name", ["smoke", "gpu"])
+def test_configs_hold_every_key_so_dvc_exp_run_can_set_any(name):
+    keys = lambda d: {(s, k) for s, sec in d.items() for k in sec}  # noqa: E731
+    base = yaml.safe_load((REPO / "params.yaml").read_text())
+    config = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    assert keys(config) == keys(base)
+
+
+def test_params_file_other_than_params_yaml_becomes_overrides(tmp_path, monkeypatch):
+    from flows.grpo_pipeline import effective_overrides
+    from pipeline.config import load_config
+
+    monkeypatch.chdir(REPO)
+    over = effective_overrides(str(REPO / "configs" / "smoke.yaml"), ["grpo.kl_coef=0.02"])
+    assert over[-1] == "grpo.kl_coef=0.02" and "sft.steps=6" in over
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    from flows.experiment import apply_overrides
+
+    apply_overrides(params, over)  # what DVC applies reads back as the smoke config plus the override
+    smoke = load_config(REPO / "configs" / "smoke.yaml", ["grpo.kl_coef=0.02"])
+    assert load_config(params).flat() == smoke.flat()
+
+
+def test_bad_cron_is_one_line_exit_2():
+    proc = cli(REPO, "flows.serve", "--cron", "every day", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--cron 'every day'" in proc.stderr and "0 3 * * *" in proc.stderr
+
+
+# --------------------------------------------------------------------------- DVC decides (fast helpers)
+
+def test_task_reads_dvc_report_and_maps_stage_errors():
+    from pipeline.errors import InputError
+    from pipeline.tracking import TrackingUnavailableError
+    from tasks.stages import StageFailed, failure, stage_status
+
+    assert stage_status("grpo", "Running stage 'grpo':\n> python -m pipeline grpo") == "ran"
+    assert stage_status("grpo", "Stage 'grpo' didn't change, skipping") == "skipped"
+    assert stage_status("grpo", "Stage 'grpo' is cached - skipping run, checking out outputs") == "restored"
+    bad = failure("prepare", ["Running stage 'prepare':", "error: data.gsm8k_source: /x: not found",
+                              "ERROR: failed to reproduce 'prepare'"], 255)
+    assert type(bad) is InputError and str(bad) == "prepare: data.gsm8k_source: /x: not found"
+    down = failure("sft", ["error: MLflow tracking at http://h is unavailable (connection refused); ..."], 255)
+    assert isinstance(down, TrackingUnavailableError)
+    assert type(failure("grpo", ["Traceback", "RuntimeError: nan"], 255)) is StageFailed
+
+
+# --------------------------------------------------------------------------- no run left RUNNING
+
+@pytest.mark.slow
+def test_killed_stage_run_is_marked_killed_on_the_next_start(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    repo = copy_repo(tmp_path / "repo")
+    uri = f"sqlite:///{repo / 'mlflow.db'}"
+    track = ["--set", "tracking.enabled=true", "--set", "tracking.experiment=kill"]
+    assert cli(repo, "pipeline", "prepare", *track).returncode == 0
+    sft = subprocess.Popen([sys.executable, "-m", "pipeline", "sft", *track, "--set", "sft.steps=100000"],
+                           cwd=repo, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            exp = client.get_experiment_by_name("kill")
+            running = client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'") if exp else []
+            if running:
+                break
+            assert sft.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+    finally:
+        os.kill(sft.pid, signal.SIGKILL)
+        sft.wait()
+    [killed] = running
+    assert client.get_run(killed.info.run_id).info.status == "RUNNING"  # nobody could close it
+    assert cli(repo, "pipeline", "prepare", *track).returncode == 0  # the next start
+    assert client.get_run(killed.info.run_id).info.status == "KILLED"
+    exp = client.get_experiment_by_name("kill")
+    assert client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'") == []
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    runs = client.search_runs([exp.experiment_id])
+    assert {r.data.tags["mlflow.source.git.commit"] for r in runs} == {head}
+    assert {r.data.tags["grpo.dirty"] for r in runs} == {"false"}
+    assert json.loads((repo / "data" / "stats.json").read_text())
