@@ -153,6 +153,8 @@ def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | 
         copy = experiment_copy(root, name, overrides) if overrides else contextlib.nullcontext(root)
         with copy as work:
             tags = {"prefect.flow_run_id": str(flow_run.id)} if flow_run.id else {}
+            if overrides:
+                tags["grpo.experiment"] = name
             parent = start_pipeline_run(cfg, name=run_name(cfg, None, name), tags=tags)
             try:
                 results = run_chain(stages, work, cfg, parent, name if overrides else None, root)

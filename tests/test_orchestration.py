@@ -212,3 +212,35 @@ def test_killed_stage_run_is_marked_killed_on_the_next_start(tmp_path):
     assert {r.data.tags["mlflow.source.git.commit"] for r in runs} == {head}
     assert {r.data.tags["grpo.dirty"] for r in runs} == {"false"}
     assert json.loads((repo / "data" / "stats.json").read_text())
+
+
+# --------------------------------------------------------------------------- make run leaves tracked files alone
+
+VENV = Path(sys.executable).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (VENV / ".installed").is_file(), reason="needs the project's venv built by `make setup`")
+def test_make_run_with_a_local_gsm8k_changes_no_tracked_file(tmp_path):
+    """`make run GSM8K=PATH` on a fresh clone: an experiment, one MLflow parent, the headline table,
+    and `git status --porcelain` lists no tracked file changed (so `make test` passes after it)."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_flows import GSM8K, experiment, sh, tracked_repo
+
+    origin = tracked_repo(tmp_path / "origin", "make")
+    clone = tmp_path / "clone"
+    sh(tmp_path, "git", "clone", "-q", str(origin), str(clone))
+    params = (clone / "params.yaml").read_bytes()
+    proc = subprocess.run(["make", "run", f"GSM8K={GSM8K}", f"VENV={VENV}"], cwd=clone, env=ENV,
+                          capture_output=True, text=True, check=False, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    changed = [line for line in sh(clone, "git", "status", "--porcelain").splitlines() if not line.startswith("??")]
+    assert changed == [] and (clone / "params.yaml").read_bytes() == params
+    name = next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("experiment "))
+    assert experiment(clone, name)["params"]["params.yaml"]["data"]["data"]["gsm8k_source"] == str(GSM8K)
+    assert "stage" in proc.stdout and "gsm8k acc" in proc.stdout  # the headline table
+    client = MlflowClient(tracking_uri=f"sqlite:///{clone / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("make")
+    parents = client.search_runs([exp.experiment_id], "tags.`grpo.role` = 'pipeline'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
