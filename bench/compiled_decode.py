@@ -1,6 +1,6 @@
 """Would a compiled (fused) decode step close the rollout gap? Eager vs Inductor on one GPT.
 
-The rollout's decode step is ~300 small eager ops around 17 weight matmuls (docs/performance.md).
+The rollout's decode step is ~300 small eager ops around 17 weight matmuls (docs/results/speed.md).
 This compiles the same step with ``torch.compile(fullgraph=True, dynamic=False)`` in the form that
 compiles to ONE graph per rollout shape: every row's response keys/values in a fixed-size buffer
 of ``max_new`` positions (the not-yet-written ones masked), the current token's own key attended

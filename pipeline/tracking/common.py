@@ -125,9 +125,9 @@ def runtime_tags() -> dict[str, str]:
 
     Runs are bit-identical on one machine, not across machines: torch picks its vector kernels
     (``env.cpu_kernels``: AVX2, AVX512, ...) and MKL its GEMM code path from the CPU, which changes
-    the order of floating-point sums. Measured (docs/tuning.md, session 6): the 2000-step SFT landed
-    at 70.5% held-out greedy on one 2-core machine and 81.0% on another, same code, params and
-    wheel; on one machine, ``ATEN_CPU_CAPABILITY=avx2`` instead of the AVX512 default changed its
+    the order of floating-point sums. Measured (docs/results/reproducibility.md): the 2000-step SFT
+    landed at 70.5% held-out greedy on one 2-core machine and 81.0% on another, same code, params
+    and wheel; on one machine, ``ATEN_CPU_CAPABILITY=avx2`` instead of the AVX512 default changed its
     logged loss from step 200 on (1.8929 against 1.8927) and its end point. ``ATEN_CPU_CAPABILITY``
     and ``MKL_CBWR`` are recorded when set.
     """
