@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import re
 import types
@@ -41,6 +42,8 @@ STAGES = ("prepare", "sft", "warmup", "grpo", "evaluate")
 
 @dataclass
 class DataConfig:
+    """prepare stage: GSM8K loading/validation, arithmetic curriculum, tokenizer"""
+
     gsm8k_source: str = "openai/gsm8k"
     """Hugging Face dataset id, or a local JSONL/Parquet file or a folder with train/test files."""
     gsm8k_config: str = "main"
@@ -72,6 +75,8 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
+    """the policy: from-scratch GPT (CPU default: 4 x 128, ~1.3M params) or any HF causal LM"""
+
     backend: Literal["gpt", "hf"] = "gpt"
     """`gpt`: the from-scratch GPT of pipeline/model/gpt.py; `hf`: any transformers causal LM."""
     init: str = ""
@@ -112,6 +117,8 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
+    """SFT warm start on curriculum arithmetic + GSM8K solutions"""
+
     steps: int = 1850
     """Optimizer steps of supervised fine-tuning (a warm start: 2000 gives a stronger SFT and a smaller
     GRPO gain, docs/results/cpu-defaults.md)."""
@@ -135,12 +142,20 @@ class SFTConfig:
     """Steps between validation loss and held-out arithmetic accuracy."""
     eval_samples: int = 100
     """Held-out arithmetic problems scored greedily at each evaluation."""
+    save_every: int = 500
+    """Steps between resumable checkpoints."""
+    keep_last: int = 2
+    """Resumable checkpoints kept."""
+    max_nonfinite: int = 3
+    """Stop with an error after this many consecutive non-finite steps."""
     seed: int = 0
     """Seed for init, batching and dropout."""
 
 
 @dataclass
 class GRPOConfig:
+    """GRPO on GSM8K train, from the warmup checkpoint; reference policy = SFT checkpoint"""
+
     iterations: int = 20
     """GRPO iterations."""
     prompts_per_iter: int = 8
@@ -208,29 +223,8 @@ class GRPOConfig:
 
 @dataclass
 class WarmupConfig(GRPOConfig):
-    # the curriculum's own defaults: short arithmetic answers, more prompts, a longer run
-    iterations: int = 200
-    """GRPO iterations on the arithmetic curriculum."""
-    prompts_per_iter: int = 16
-    """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
-    lr: float = 1e-4
-    """Peak AdamW learning rate."""
-    lr_schedule: Literal["constant", "cosine"] = "cosine"
-    """After warmup: constant, or cosine decay to 10% of `lr` at the last iteration."""
-    warmup_iters: int = 10
-    """Linear LR warmup iterations."""
-    temperature: float = 0.7
-    """Sampling temperature for rollouts."""
-    dynamic_sampling: bool = True
-    """DAPO dynamic sampling: drop zero-variance groups and top up with fresh prompts."""
-    rollout_len: int = 72
-    """Maximum new tokens per completion (a column-by-column level-4 answer needs up to ~68)."""
-    eval_every: int = 50
-    """Iterations between greedy held-out accuracy checks; 0 disables."""
-    eval_samples: int = 200
-    """Held-out problems in each periodic accuracy check."""
-    save_every: int = 10
-    """Iterations between resumable checkpoints."""
+    """GRPO on the arithmetic curriculum, from the SFT checkpoint"""
+
     adaptive: bool = False
     """Adaptive curriculum: stop early once both thresholds pass, extend while informative is low."""
     exit_reward: float = 1.0
@@ -243,8 +237,19 @@ class WarmupConfig(GRPOConfig):
     """Adaptive: at most this many iterations added beyond `iterations`."""
 
 
+# The warmup's own defaults (its other fields default as for grpo): short arithmetic answers (a
+# column-by-column level-4 answer needs up to ~68 tokens), more prompts, a longer run with a schedule,
+# and dynamic sampling on (the same end point in two thirds of the iterations, docs/results/cpu-defaults.md).
+WARMUP_DEFAULTS: dict[str, Any] = dict(
+    iterations=200, prompts_per_iter=16, lr=1e-4, lr_schedule="cosine", warmup_iters=10, temperature=0.7,
+    dynamic_sampling=True, rollout_len=72, eval_every=50, eval_samples=200, save_every=10,
+)
+
+
 @dataclass
 class EvalConfig:
+    """greedy GSM8K test + held-out arithmetic accuracy of each stage's checkpoint"""
+
     stages: list[str] = field(default_factory=lambda: ["sft", "warmup", "grpo"])
     """Checkpoints evaluated, in order."""
     gsm8k_limit: int = 0
@@ -272,6 +277,8 @@ class EvalConfig:
 
 @dataclass
 class TrackingConfig:
+    """MLflow experiment tracking"""
+
     enabled: bool = True
     """Log params, metrics and artifacts to MLflow."""
     uri: str = "sqlite:///mlflow.db"
@@ -289,7 +296,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    warmup: WarmupConfig = field(default_factory=lambda: WarmupConfig(**WARMUP_DEFAULTS))
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     evaluate: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -354,6 +361,9 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("sft.log_every", s.log_every >= 1, "an integer >= 1"),
         ("sft.eval_every", s.eval_every >= 0, "an integer >= 0"),
         ("sft.eval_samples", s.eval_samples >= 0, "an integer >= 0"),
+        ("sft.save_every", s.save_every >= 1, "an integer >= 1"),
+        ("sft.keep_last", s.keep_last >= 1, "an integer >= 1"),
+        ("sft.max_nonfinite", s.max_nonfinite >= 1, "an integer >= 1"),
         ("evaluate.gsm8k_limit", e.gsm8k_limit >= 0, "an integer >= 0 (0 = all)"),
         ("evaluate.arith_limit", e.arith_limit >= 0, "an integer >= 0 (0 = all)"),
         ("evaluate.batch_size", e.batch_size >= 1, "an integer >= 1"),
@@ -473,11 +483,13 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     return value
 
 
-def _build_section(cls: type, raw: Any, section: str, source: str) -> Any:
+def _build_section(default: Any, raw: Any, section: str, source: str) -> Any:
+    """`default` (the section's default instance) with the keys of `raw` checked and applied."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: section {section!r} must be a mapping of keys to values")
+    cls = type(default)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -487,7 +499,7 @@ def _build_section(cls: type, raw: Any, section: str, source: str) -> Any:
             hint = f" (did you mean {section}.{close[0]}?)" if close else ""
             raise ConfigError(f"{source}: unknown key {section}.{key}{hint}; allowed: {', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}", source)
-    return cls(**kwargs)
+    return dataclasses.replace(default, **kwargs)
 
 
 def config_from_dict(raw: Any, source: str = "params") -> Config:
@@ -495,14 +507,14 @@ def config_from_dict(raw: Any, source: str = "params") -> Config:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    hints = typing.get_type_hints(Config)
+    defaults = Config()
     sections = [f.name for f in dataclasses.fields(Config)]
     for key in raw:
         if key not in sections:
             close = difflib.get_close_matches(str(key), sections, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{source}: unknown section {key!r}{hint}; allowed: {', '.join(sections)}")
-    cfg = Config(**{s: _build_section(hints[s], raw.get(s), s, source) for s in sections})
+    cfg = Config(**{s: _build_section(getattr(defaults, s), raw.get(s), s, source) for s in sections})
     return validate(cfg, source)
 
 
@@ -598,3 +610,53 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = 
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False, width=120)
+
+
+# --------------------------------------------------------------------------- params.yaml
+
+PARAMS_HEADER = """\
+# The single source of knobs: one section per stage, mirrored 1:1 by pipeline/config.py.
+# Override any value on the CLI with --set section.key=value, or with `dvc exp run -S section.key=value`.
+# Written from pipeline/config.py (defaults, section and field docstrings): python -m pipeline.config > params.yaml
+"""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (and of its bases), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, str) and "\n" in value:
+        return json.dumps(value)  # a double-quoted YAML string on one line
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 20).splitlines()[0]
+
+
+def render_params(cfg: Config) -> str:
+    """params.yaml for `cfg`: each section under its dataclass's docstring, each key under its field's."""
+    import textwrap
+
+    lines = [PARAMS_HEADER.rstrip()]
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        lines += ["", f"# --- {f.name}: {type(section).__doc__.strip()}", f"{f.name}:"]
+        docs = field_docs(type(section))
+        for key in dataclasses.fields(section):
+            lines += textwrap.wrap(docs[key.name], 108, initial_indent="  # ", subsequent_indent="  # ")
+            lines.append(f"  {key.name}: {_yaml_scalar(getattr(section, key.name))}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_params(Config()), end="")

@@ -20,3 +20,14 @@ def progress_bar(enabled: bool = True) -> Any:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
                     disable=not (enabled and console.is_terminal))
+
+
+def as_text(renderable: Any, width: int = 100) -> str:
+    """A rich renderable (a table) as plain text, for a log line."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width, record=True)
+    console.print(renderable)
+    return console.export_text().rstrip()

@@ -30,6 +30,29 @@ def test_params_yaml_lists_every_field():
     assert load_config(ROOT / "params.yaml").to_dict() == Config().to_dict()
 
 
+def test_params_yaml_is_written_from_the_dataclasses():
+    """params.yaml's values are the defaults and its comments the section and field docstrings of
+    pipeline/config.py, so the two cannot drift; regenerate with `python -m pipeline.config > params.yaml`."""
+    from pipeline.config import field_docs, render_params
+
+    text = (ROOT / "params.yaml").read_text()
+    assert text == render_params(Config()), "params.yaml is stale: python -m pipeline.config > params.yaml"
+    assert "  # Peak AdamW learning rate.\n  lr: 0.003\n" in text  # a field docstring, then its key
+    docs = field_docs(type(Config().warmup))
+    assert docs["adaptive"].startswith("Adaptive curriculum") and docs["lr"] == "Peak AdamW learning rate."
+
+
+def test_warmup_defaults_differ_only_where_declared():
+    from pipeline.config import WARMUP_DEFAULTS
+
+    warmup, grpo = Config().warmup.__dict__, Config().grpo.__dict__
+    differ = {k for k in grpo if warmup[k] != grpo[k]}
+    assert differ == set(WARMUP_DEFAULTS)
+    # a params file that sets one warmup key keeps the warmup's other defaults, not grpo's
+    cfg = config_from_dict({"warmup": {"lr": 0.5}})
+    assert cfg.warmup.lr == 0.5 and cfg.warmup.iterations == WARMUP_DEFAULTS["iterations"]
+
+
 def test_dump_round_trips():
     cfg = load_config(ROOT / "configs" / "smoke.yaml", ["grpo.kl_coef=0.02"])
     again = config_from_dict(yaml.safe_load(dump_config(cfg)))

@@ -164,6 +164,67 @@ def test_sft_loss_decreases_and_is_deterministic(workdir):
     assert [float(r["loss"]) for r in read_csv(Path("plots/sft.csv"))] == losses
 
 
+def test_killed_sft_resumes_bit_identically(workdir, monkeypatch, caplog):
+    """A run stopped right after its resume state at step 12 and run again ends with the weights
+    and series of an uninterrupted run, bit for bit (CPU): weights, AdamW moments, torch RNG and the
+    batch order all come back. A resume state from other params is ignored."""
+    sft.run_sft(smoke_config("sft.save_every=6"))
+    whole = Path("checkpoints/sft/model.safetensors").read_bytes()
+    series = Path("plots/sft.csv").read_text()
+
+    class Killed(Exception):
+        pass
+
+    real = sft.save_resume
+
+    def save_then_die(folder, step, *a, **k):
+        real(folder, step, *a, **k)
+        if step == 12:
+            raise Killed
+
+    monkeypatch.setattr(sft, "save_resume", save_then_die)
+    with pytest.raises(Killed):
+        sft.run_sft(smoke_config("sft.save_every=6"))
+    monkeypatch.setattr(sft, "save_resume", real)
+    assert sorted(p.name for p in Path("checkpoints/sft.resume").iterdir()) == ["step_000006", "step_000012"]
+    with caplog.at_level("INFO", logger="pipeline"):
+        sft.run_sft(smoke_config("sft.save_every=6"))
+    assert "resuming from checkpoints/sft.resume/step_000012" in caplog.text
+    assert Path("checkpoints/sft/model.safetensors").read_bytes() == whole
+    assert Path("plots/sft.csv").read_text() == series
+    assert not Path("checkpoints/sft.resume").exists()
+
+    monkeypatch.setattr(sft, "save_resume", save_then_die)
+    with pytest.raises(Killed):
+        sft.run_sft(smoke_config("sft.save_every=6"))
+    monkeypatch.setattr(sft, "save_resume", real)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipeline"):
+        sft.run_sft(smoke_config("sft.save_every=6", "sft.lr=5e-3"))
+    assert "ignoring resume state" in caplog.text and "resuming from" not in caplog.text
+
+
+def test_non_finite_steps_are_skipped_counted_then_stop(workdir, monkeypatch):
+    from pipeline.errors import TrainingDivergedError
+
+    real = sft.response_nll
+    calls = {"n": 0}
+
+    def nan_on_third_step(policy, *a):
+        calls["n"] += 1
+        nll, n = real(policy, *a)
+        return (nll * float("nan") if calls["n"] in (5, 6) else nll), n  # both parts of step 3
+
+    monkeypatch.setattr(sft, "response_nll", nan_on_third_step)
+    out = sft.run_sft(smoke_config("sft.steps=4", "sft.eval_every=0", "sft.log_every=1"))
+    assert out["skipped_steps"] == 1
+    losses = [r["loss"] for r in read_csv(Path("plots/sft.csv"))]
+    assert losses[2] == "nan" and all(x != "nan" for x in losses[:2] + losses[3:])
+    monkeypatch.setattr(sft, "response_nll", lambda p, *a: (real(p, *a)[0] * float("nan"), 1))
+    with pytest.raises(TrainingDivergedError, match="sft: 2 consecutive non-finite steps at step 2"):
+        sft.run_sft(smoke_config("sft.steps=4", "sft.max_nonfinite=2"))
+
+
 def test_skip_path_copies_an_init_checkpoint(workdir):
     from pipeline.checkpoint import load_extra_state, load_policy
 

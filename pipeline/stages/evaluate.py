@@ -16,6 +16,7 @@ deterministic; sampling uses a generator seeded with ``evaluate.seed`` for each 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,11 @@ from pipeline import files
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
 from pipeline.errors import InputError
 from pipeline.generation import generate
+from pipeline.progress import as_text, progress_bar
 from pipeline.rewards.verifiers import load_verifier
 from pipeline.tracking import stage_logger
+
+log = logging.getLogger(__name__)
 
 TASK_FILES = {"gsm8k": "gsm8k_test.jsonl", "arith": "arith_eval.jsonl"}
 TRAINING_CSVS = ("warmup", "grpo")
@@ -96,14 +100,6 @@ def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
 
 # --------------------------------------------------------------------------- stage
 
-def _progress():
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=False)
-
-
 def run_evaluate(cfg: Config) -> dict[str, Any]:
     """Evaluate every configured checkpoint; write metrics, predictions and plots; return paths and metrics."""
     e = cfg.evaluate
@@ -114,16 +110,14 @@ def run_evaluate(cfg: Config) -> dict[str, Any]:
     load_verifier(e.reward, "evaluate.reward")  # a bad spec fails before any generation
     folders = {s: checkpoint_folder(s) for s in stages}  # fail before any generation
     # the logger opens first: an unreachable tracking server fails in seconds, before generation
-    with stage_logger(cfg, "evaluate") as log:
+    with stage_logger(cfg, "evaluate") as tracker:
         metrics, predictions = _evaluate_all(cfg, data, folders)
         written = _write_outputs(metrics, predictions)
-        from rich.console import Console
-
-        Console(stderr=True).print(ev.summary_table(metrics, title="Evaluation"))
-        log.log_metrics({f"eval/{s}/{k}": float(v) for s, m in metrics.items() for k, v in m.items()}, step=0)
+        log.info("%s", as_text(ev.summary_table(metrics, title="Evaluation")))
+        tracker.log_metrics({f"eval/{s}/{k}": float(v) for s, m in metrics.items() for k, v in m.items()}, step=0)
         for path in written.values():
-            log.log_artifact(path)
-        log.log_table(_sample_table(predictions), name="eval_samples.json")
+            tracker.log_artifact(path)
+        tracker.log_table(_sample_table(predictions), name="eval_samples.json")
     return {"paths": {k: str(v) for k, v in written.items()}, "metrics": metrics}
 
 
@@ -135,14 +129,14 @@ def _evaluate_all(cfg: Config, data: dict[str, list[dict[str, Any]]], folders: d
     k = {task: e.samples if task in e.sample_tasks else 0 for task in data}
     raw: dict[str, dict[str, float | int]] = {}
     predictions: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    with _progress() as progress:
+    with progress_bar() as progress:
         for stage, folder in folders.items():
             policy = load_policy(folder, device=cfg.model.device)  # `auto`: CUDA if available
             policy.eval()
             per_task = {}
             for task, rows in data.items():
                 passes = 1 + (1 if k[task] > 0 else 0)  # greedy, then the sampled groups
-                bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes)
+                bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes, info="")
                 per_task[task] = evaluate_task(policy, rows, cfg, samples=k[task],
                                                advance=lambda n, bar=bar: progress.advance(bar, n))
                 predictions[stage, task] = per_task[task]

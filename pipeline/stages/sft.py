@@ -14,6 +14,11 @@ verifier's answer matching). Writes `checkpoints/sft/` (atomic, `save_policy`) a
 (step, loss, val_loss, arith_accuracy); metrics `sft/loss`, `sft/lr`, `sft/val_loss`,
 `sft/arith_accuracy` go to the stage logger.
 
+The loop has GRPO's shape and policies: a plain :class:`SFTState`, resumable every
+`sft.save_every` steps through :mod:`pipeline.resume` (`checkpoints/sft.resume/`; a re-run after a
+kill continues bit-identically on CPU), non-finite steps skipped and counted with
+`sft.max_nonfinite` in a row stopping the stage, one progress bar and the `pipeline` logger.
+
 Skip: when `model.init` is set (a checkpoint folder of this pipeline, or a HF model id/folder with
 backend `hf`) the stage does not train: it loads that model on the CPU and saves it unchanged as
 `checkpoints/sft/` (so warmup/GRPO start from it and use it as the KL reference), and writes a
@@ -23,11 +28,13 @@ header-only `plots/sft.csv`. To fine-tune a pretrained model with GRPO, set `mod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import random
+import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +47,17 @@ from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
 from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_accuracy
-from pipeline.model.policy import build_policy
+from pipeline.model.policy import Policy, build_policy
+from pipeline.progress import progress_bar
+from pipeline.resume import load_resume, resume_key, save_resume
 from pipeline.tokenizer import load_tokenizer
-from pipeline.tracking import stage_logger
-from pipeline.training import build_optimizer, lr_at, seed_everything, set_lr
+from pipeline.tracking import Logger, stage_logger
+from pipeline.training import build_optimizer, count_nonfinite, lr_at, seed_everything, set_lr, step_if_finite
 
 log = logging.getLogger(__name__)
 
 CSV_COLUMNS = ("step", "loss", "val_loss", "arith_accuracy")
+OUT, CSV, RESUME = Path(CHECKPOINT_DIR) / "sft", Path(PLOTS_DIR) / "sft.csv", Path(CHECKPOINT_DIR) / "sft.resume"
 EVAL_BATCH = 64  # sequences per validation-loss batch
 
 Example = tuple[list[int], int]  # (prompt + response + eos token ids, number of prompt tokens)
@@ -111,6 +121,16 @@ class MixedBatches:
             out.append(source[order.pop()])
         return out
 
+    def state(self) -> dict[str, Any]:
+        """The batch order's whole state (JSON values): the RNG and what is left of each epoch."""
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss], "orders": [list(o) for o in self.orders]}
+
+    def load(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.orders = [list(o) for o in state["orders"]]
+
     def next(self) -> list[list[Example]]:
         """One batch as its non-empty per-source parts (padded separately: arithmetic is short)."""
         return [part for k, (_, n) in enumerate(self.parts) if (part := self._take(k, n))]
@@ -134,9 +154,16 @@ def validation_loss(policy, examples: Sequence[Example], pad_id: int) -> float |
     return total / max(count, 1)
 
 
-def write_series(path: Path, series: dict[int, dict[str, float | None]]) -> Path:
+def write_series(path: Path, series: list[dict[str, Any]]) -> Path:
     """sft.csv: one row per logged step (the step is the x axis of `dvc plots`)."""
-    return write_series_csv(path, ({"step": step, **series[step]} for step in sorted(series)), CSV_COLUMNS)
+    return write_series_csv(path, series, CSV_COLUMNS)
+
+
+def _record(series: list[dict[str, Any]], step: int, values: dict[str, Any]) -> None:
+    """Merge `values` into the series row of `step` (steps only grow)."""
+    if not series or series[-1]["step"] != step:
+        series.append({"step": step})
+    series[-1].update(values)
 
 
 # --------------------------------------------------------------------------- stage
@@ -149,7 +176,7 @@ def _copy_init(cfg: Config, out: Path, csv_path: Path) -> dict[str, Any]:
         tok = load_tokenizer(tok_path) if tok_path.is_file() else None
     policy = init_policy(cfg.model, tok, device="cpu")
     save_policy(out, policy, extra_state={"stage": "sft", "skipped": True, "init": cfg.model.init})
-    write_series(csv_path, {})
+    write_series(csv_path, [])
     log.info("sft skipped: model.init = %s saved as %s", cfg.model.init, out)
     return {"checkpoint": str(out), "skipped": True, "init": cfg.model.init, "plots": str(csv_path)}
 
@@ -162,22 +189,126 @@ def _load_tokenizer() -> Any:
         raise InputError(str(exc)) from None
 
 
-def _progress(total: int):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+@dataclass
+class SFTState:
+    """What the SFT loop carries from one step to the next besides weights, optimizer and RNGs
+    (all of it resumable: JSON values only)."""
 
-    console = Console(stderr=True)
-    return Progress(TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                    TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+    step: int = 0  # optimizer steps done (skipped ones included)
+    nonfinite_run: int = 0  # skipped (non-finite) steps in a row
+    skipped: int = 0  # skipped steps in all
+    window: list[float] = field(default_factory=list)  # step losses since the last log
+    series: list[dict[str, Any]] = field(default_factory=list)  # one CSV row per logged step
+    final: dict[str, float | None] = field(default_factory=lambda: {"val_loss": None, "arith_accuracy": None})
+    batches: dict[str, Any] = field(default_factory=dict)  # the batch order's state when saved
+
+
+@dataclass
+class SFTRun:
+    """What stays fixed for the stage: data, tokenizer, batch order, policy, optimizer."""
+
+    cfg: Config
+    tok: Any
+    batches: MixedBatches
+    val: list[Example]
+    eval_rows: list[dict[str, Any]]
+    max_new: int  # generation budget of the held-out accuracy check
+    dropped: int  # training sequences dropped for length
+    policy: Policy
+    optimizer: torch.optim.Optimizer
 
 
 def run_sft(cfg: Config) -> dict[str, Any]:
-    s, data = cfg.sft, Path(DATA_DIR)
-    out, csv_path = Path(CHECKPOINT_DIR) / "sft", Path(PLOTS_DIR) / "sft.csv"
+    """The SFT stage (see the module docstring): the same loop shape as GRPO's, over SFTState."""
+    s = cfg.sft
     if cfg.model.init:
-        return _copy_init(cfg, out, csv_path)
-
+        return _copy_init(cfg, OUT, CSV)
     started = time.monotonic()
+    run = setup(cfg)
+    key = compatibility_key(cfg)
+    state = load_resume(RESUME, key, SFTState, run.policy, run.optimizer, None) or SFTState()
+    if state.batches:
+        run.batches.load(state.batches)
+    with stage_logger(cfg, "sft") as tracker, progress_bar() as bar:
+        tracker.log_params({"sft/num_params": run.policy.num_params(), "sft/dropped_long": run.dropped})
+        task = bar.add_task("sft", total=s.steps, completed=state.step, info="")
+        run.policy.train()
+        while state.step < s.steps:
+            state.step += 1
+            step, last = state.step, state.step == s.steps
+            # --- one optimizer step on a mixed batch ------------------------------------------------
+            lr = lr_at(step - 1, s.steps, s.lr, s.warmup_steps, "cosine")
+            set_lr(run.optimizer, lr)
+            loss = sft_step(run, state)
+            bar.update(task, completed=step, info=f"loss {loss:.3f}")
+            # --- log, evaluate, save ----------------------------------------------------------------
+            if step % s.log_every == 0 or last:
+                log_loss(tracker, state, lr, s.steps)
+            if (s.eval_every and step % s.eval_every == 0) or last:
+                evaluate(run, state, tracker)
+                write_series(CSV, state.series)
+            if step % s.save_every == 0 and not last:
+                state.batches = run.batches.state()
+                save_resume(RESUME, step, key, state, run.policy, run.optimizer, None, s.keep_last)
+        if s.steps == 0:  # nothing trained: still report the initial model
+            state.final = held_out(run)
+            _record(state.series, 0, state.final)
+        wall = time.monotonic() - started
+        save_policy(OUT, run.policy, extra_state={"stage": "sft", "step": s.steps, "seed": s.seed, **state.final})
+        write_series(CSV, state.series)
+        tracker.log_metrics({"sft/wall_s": wall}, step=s.steps)
+        tracker.log_artifact(CSV)
+    shutil.rmtree(RESUME, ignore_errors=True)
+    return {"checkpoint": str(OUT), "plots": str(CSV), "steps": s.steps, "num_params": run.policy.num_params(),
+            "dropped_long": run.dropped, **state.final, "wall_s": round(wall, 1), "skipped_steps": state.skipped}
+
+
+def sft_step(run: SFTRun, state: SFTState) -> float:
+    """Token-mean response NLL over the whole batch, one forward/backward per source, then a step
+    unless the loss or gradient is non-finite (skipped and counted, pipeline.training)."""
+    s, policy, optimizer = run.cfg.sft, run.policy, run.optimizer
+    parts = run.batches.next()
+    n_tokens = sum(len(ids) - n_prompt for part in parts for ids, n_prompt in part)
+    optimizer.zero_grad(set_to_none=True)
+    loss = 0.0
+    for part in parts:
+        nll, _ = response_nll(policy, *collate(part, run.tok.pad_id, policy.device))
+        part_loss = nll / n_tokens
+        part_loss.backward()
+        loss += float(part_loss.detach())
+    params = [p for p in policy.parameters() if p.requires_grad]
+    norm = step_if_finite(optimizer, params, s.grad_clip, torch.tensor(loss))
+    count_nonfinite(state, norm is not None, s.max_nonfinite, "sft", f"step {state.step}", RESUME)
+    if norm is not None:
+        state.window.append(loss)
+    return loss
+
+
+def log_loss(tracker: Logger, state: SFTState, lr: float, total: int) -> None:
+    mean_loss = sum(state.window) / len(state.window) if state.window else float("nan")
+    state.window.clear()
+    _record(state.series, state.step, {"loss": mean_loss})
+    tracker.log_metrics({"sft/loss": mean_loss, "sft/lr": lr}, step=state.step)
+    log.info("sft step %d/%d loss %.4f lr %.2e", state.step, total, mean_loss, lr)
+
+
+def held_out(run: SFTRun) -> dict[str, float | None]:
+    """Validation loss on gsm8k_val and greedy accuracy on the held-out arithmetic slice."""
+    return {"val_loss": validation_loss(run.policy, run.val, run.tok.pad_id),
+            "arith_accuracy": greedy_accuracy(run.policy, run.eval_rows, run.max_new)}
+
+
+def evaluate(run: SFTRun, state: SFTState, tracker: Logger) -> None:
+    state.final = held_out(run)
+    _record(state.series, state.step, state.final)
+    tracker.log_metrics({f"sft/{k}": v for k, v in state.final.items() if v is not None}, step=state.step)
+    log.info("sft step %d val_loss %s arith_accuracy %s", state.step, state.final["val_loss"],
+             state.final["arith_accuracy"])
+
+
+def setup(cfg: Config) -> SFTRun:
+    """Seeded; tokenizer, data, batch order, policy and optimizer at step 0."""
+    s, data = cfg.sft, Path(DATA_DIR)
     seed_everything(s.seed)
     tok = _load_tokenizer()
     arith, dropped_a = encode_examples(tok, read_rows(data / "arith_train.jsonl"), s.max_len)
@@ -193,58 +324,14 @@ def run_sft(cfg: Config) -> dict[str, Any]:
     eval_prompt = max((len(p) for p in tok.encode_batch([r["prompt"] for r in eval_rows])), default=0)
     eval_resp = max((len(r) for r in tok.encode_batch([response_text(r["solution"]) for r in eval_rows])), default=0)
     max_new = max(1, min(eval_resp + 8, cfg.model.block_size - eval_prompt))
-
     policy = build_policy(cfg.model, tok)
     optimizer = build_optimizer(policy.module, s.lr, s.weight_decay)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    series: dict[int, dict[str, float | None]] = {}
-    window: list[float] = []
-    final: dict[str, float | None] = {"val_loss": None, "arith_accuracy": None}
+    return SFTRun(cfg, tok, batches, val, eval_rows, max_new, dropped_a + dropped_g, policy, optimizer)
 
-    with stage_logger(cfg, "sft") as tracker, _progress(s.steps) as bar:
-        tracker.log_params({"sft/num_params": policy.num_params(), "sft/dropped_long": dropped_a + dropped_g})
-        task = bar.add_task("", total=s.steps)
-        policy.train()
-        for step in range(1, s.steps + 1):
-            lr = lr_at(step - 1, s.steps, s.lr, s.warmup_steps, "cosine")
-            set_lr(optimizer, lr)
-            parts = batches.next()
-            n_tokens = sum(len(ids) - n_prompt for part in parts for ids, n_prompt in part)
-            optimizer.zero_grad(set_to_none=True)
-            loss = 0.0
-            for part in parts:  # token-mean over the whole batch, one forward/backward per source
-                nll, _ = response_nll(policy, *collate(part, tok.pad_id, policy.device))
-                part_loss = nll / n_tokens
-                part_loss.backward()
-                loss += float(part_loss.detach())
-            torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-            optimizer.step()
-            window.append(loss)
-            if not math.isfinite(window[-1]):
-                raise FloatingPointError(f"sft: non-finite loss at step {step}; lower sft.lr")
-            bar.update(task, advance=1, description=f"loss {window[-1]:.3f}")
 
-            if step % s.log_every == 0 or step == s.steps:
-                mean_loss = sum(window) / len(window)
-                window.clear()
-                series.setdefault(step, {})["loss"] = mean_loss
-                tracker.log_metrics({"sft/loss": mean_loss, "sft/lr": lr}, step=step)
-                log.info("sft step %d/%d loss %.4f lr %.2e", step, s.steps, mean_loss, lr)
-            if (s.eval_every and step % s.eval_every == 0) or step == s.steps:
-                final = {"val_loss": validation_loss(policy, val, tok.pad_id),
-                         "arith_accuracy": greedy_accuracy(policy, eval_rows, max_new)}
-                series.setdefault(step, {}).update(final)
-                tracker.log_metrics({f"sft/{k}": v for k, v in final.items() if v is not None}, step=step)
-                log.info("sft step %d val_loss %s arith_accuracy %s", step, final["val_loss"], final["arith_accuracy"])
-                write_series(csv_path, series)
-        if s.steps == 0:  # nothing trained: still report the initial model
-            final = {"val_loss": validation_loss(policy, val, tok.pad_id),
-                     "arith_accuracy": greedy_accuracy(policy, eval_rows, max_new)}
-            series[0] = dict(final)
-        wall = time.monotonic() - started
-        save_policy(out, policy, extra_state={"stage": "sft", "step": s.steps, "seed": s.seed, **final})
-        write_series(csv_path, series)
-        tracker.log_metrics({"sft/wall_s": wall}, step=s.steps)
-        tracker.log_artifact(csv_path)
-    return {"checkpoint": str(out), "plots": str(csv_path), "steps": s.steps, "num_params": policy.num_params(),
-            "dropped_long": dropped_a + dropped_g, **final, "wall_s": round(wall, 1)}
+def compatibility_key(cfg: Config) -> str:
+    """The resume key: a resume state from other params or data is ignored."""
+    data = Path(DATA_DIR)
+    files = [data / f for f in ("arith_train.jsonl", "gsm8k_train.jsonl", "gsm8k_val.jsonl", "arith_eval.jsonl",
+                                "tokenizer.json")]
+    return resume_key({"sft": dataclasses.asdict(cfg.sft), "model": dataclasses.asdict(cfg.model)}, files)
