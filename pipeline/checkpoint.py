@@ -46,7 +46,8 @@ from pipeline.config import ModelConfig
 from pipeline.errors import CheckpointError
 from pipeline.files import STORAGE_ERRNOS, ensure_dir, raise_if_storage, sha256, storage_errors
 from pipeline.model.gpt import GPT, GPTConfig
-from pipeline.model.policy import Policy, build_policy
+from pipeline.model.lora import adapter_state, is_lora, load_adapter_state, merged_state_dict
+from pipeline.model.policy import Policy, build_policy, param_dtype
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -55,6 +56,7 @@ STATE = "state.json"
 MANIFEST = "manifest.json"
 TRAIN_JSON = "training_state.json"
 TRAIN_TENSORS = "training_state.safetensors"
+ADAPTER = "adapter.safetensors"  # LoRA adapter tensors of a resumable training state
 FORMAT_GPT = "grpo-pipeline/gpt"
 FORMAT_HF = "grpo-pipeline/hf"
 TIED_KEYS = ("lm_head.weight",)  # aliases of wte.weight in the GPT; stored once
@@ -258,7 +260,10 @@ def _write_policy_files(folder: Path, policy: Policy, extra_state: dict | None) 
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        policy.module.save_pretrained(folder)
+        if is_lora(policy.module):  # adapters merged in: a plain transformers folder, like any other
+            policy.module.get_base_model().save_pretrained(folder, state_dict=merged_state_dict(policy.module))
+        else:
+            policy.module.save_pretrained(folder)
         policy.tokenizer.save(folder)
         (folder / HF_META).write_text(json.dumps({"format": FORMAT_HF, "model": model_cfg}, indent=1))
     if extra_state is not None:
@@ -361,7 +366,7 @@ def _load_hf_policy(folder: Path, device) -> Policy:
     model_cfg = dataclasses.replace(model_cfg, backend="hf", init=str(folder))
     check_size(hf_param_count(folder), folder / CONFIG, "the model it describes")
     try:
-        module, tokenizer = load_hf(folder)
+        module, tokenizer = load_hf(folder, param_dtype(model_cfg))  # the dtype it was trained and saved in
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{folder}: cannot load the HF model ({exc})".replace("\n", " ")) from None
     return Policy(module, tokenizer, model_cfg, device)
@@ -467,6 +472,9 @@ def save_training_state(folder: str | Path, policy: Policy, optimizer: torch.opt
     }
     with _atomic_folder(folder) as tmp:
         _write_policy_files(tmp, policy, None)
+        if is_lora(policy.module):  # the merged weights cannot be split again: keep the adapters too
+            save_file({k: v.detach().cpu().contiguous() for k, v in adapter_state(policy.module).items()},
+                      tmp / ADAPTER, metadata={"format": "pt"})
         save_file(tensors, tmp / TRAIN_TENSORS, metadata={"format": "pt"})
         (tmp / TRAIN_JSON).write_text(json.dumps(doc))
         _write_manifest(tmp)
@@ -485,6 +493,11 @@ def load_training_state(folder: str | Path, policy: Policy,
     verify(folder)
     if policy.backend == "gpt":
         _load_gpt_weights(policy.module, folder / WEIGHTS, policy.device)
+    elif is_lora(policy.module):  # the base is the stage's init, unchanged: restore the adapters
+        try:
+            load_adapter_state(policy.module, load_file(folder / ADAPTER, device="cpu"))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{folder / ADAPTER}: cannot restore the LoRA adapters ({exc})") from None
     else:
         loaded = _load_hf_policy(folder, "cpu")
         policy.module.load_state_dict(loaded.module.state_dict())

@@ -91,9 +91,36 @@ def load_hf(init: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Mo
     return model, load_hf_tokenizer(init)
 
 
+def _checkpointed_forward(self, *args, **kwargs):
+    """A decoder layer's forward, recomputed in backward (a non-reentrant checkpoint) when grad is on."""
+    if torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
+    return type(self).forward(self, *args, **kwargs)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> int:
+    """Recompute each decoder layer's activations in backward instead of keeping them; returns the
+    number of layers. transformers' own switch only acts in train mode, and GRPO runs the policy in
+    eval mode (no dropout), so each layer's forward becomes :func:`_checkpointed_forward`, bound to
+    the layer (a deep copy rebinds it to the copy; applying it twice changes nothing)."""
+    import types
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"model.gradient_checkpointing: no decoder layers found in {type(model).__name__}")
+    for layer in layers:
+        layer.forward = types.MethodType(_checkpointed_forward, layer)
+    return len(layers)
+
+
 def _cache_kwarg(model: nn.Module) -> str:
     """transformers 5 renamed `past_key_values` to `cache` in some versions; use what forward takes."""
-    params = inspect.signature(model.forward).parameters
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

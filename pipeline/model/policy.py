@@ -16,8 +16,10 @@ transformers causal LM), its tokenizer, the device and the compute dtype:
 What differs per backend sits in one small ops class each (``GPTOps`` in ``pipeline.model.gpt``,
 ``HFOps`` in ``pipeline.model.hf``); nothing above this module names a backend to compute.
 
-Weights stay fp32 (master weights for AdamW); ``dtype`` only picks the autocast dtype:
-``auto`` is bf16 on CUDA and fp32 on CPU.
+Weights are ``param_dtype`` (fp32 by default: master weights for AdamW; bf16 halves weights and
+optimizer state); ``dtype`` picks the autocast dtype: ``auto`` is bf16 on CUDA and fp32 on CPU.
+``gradient_checkpointing`` (hf) recomputes each layer in backward; the shared-prompt log-prob path,
+whose cache a recomputation cannot replay, then gives way to the plain one under grad.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     return torch.device(spec)
 
 
+def param_dtype(model_cfg: ModelConfig) -> torch.dtype:
+    """The weights' dtype (`model.param_dtype`)."""
+    return torch.bfloat16 if model_cfg.param_dtype == "bfloat16" else torch.float32
+
+
 def resolve_autocast(dtype: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for plain fp32."""
     if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
@@ -59,16 +66,27 @@ class Policy:
         self.backend = model_cfg.backend
         self.model_cfg = model_cfg
         self.device = resolve_device(device if device is not None else model_cfg.device)
-        self.module = module.to(self.device)
+        self.module = module.to(device=self.device, dtype=param_dtype(model_cfg))
         self.tokenizer = tokenizer
         self.autocast_dtype = resolve_autocast(model_cfg.dtype, self.device)
         self.runner = torch.compile(self.module) if model_cfg.compile else self.module
+        self.recompute = False  # gradient checkpointing on (see the module docstring)
         if self.backend == "gpt":
             self._ops = GPTOps
         else:
             from pipeline.model.hf import HFOps
 
             self._ops = HFOps
+        if model_cfg.gradient_checkpointing:
+            self.enable_recompute()
+
+    def enable_recompute(self) -> None:
+        """Gradient checkpointing (hf backend): each layer recomputed in backward."""
+        if self.backend != "hf":
+            raise ValueError("model.gradient_checkpointing needs model.backend hf")
+        from pipeline.model.hf import enable_gradient_checkpointing
+
+        self.recompute = enable_gradient_checkpointing(self.module) > 0
 
     # ------------------------------------------------------------------ forward
 
@@ -110,6 +128,8 @@ class Policy:
         rows come in groups whose first `start` columns agree."""
         N = input_ids.shape[0]
         if group <= 1 or start <= 1 or N % group or self.runner is not self.module:
+            return False
+        if self.recompute and torch.is_grad_enabled():  # a recomputed layer cannot replay the cache
             return False
         for t in (input_ids[:, :start], attention_mask[:, :start]):
             g = t.reshape(N // group, group, start)
@@ -195,6 +215,6 @@ def build_policy(model_cfg: ModelConfig, tokenizer=None, device: str | torch.dev
             raise ValueError("build_policy: backend 'hf' needs model.init = a HF model id or folder")
         from pipeline.model.hf import load_hf
 
-        module, hf_tok = load_hf(model_cfg.init)
+        module, hf_tok = load_hf(model_cfg.init, param_dtype(model_cfg))
         return Policy(module, hf_tok, model_cfg, device)
     raise ValueError(f"model.backend = {model_cfg.backend!r}; allowed: gpt, hf")

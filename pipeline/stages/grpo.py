@@ -37,6 +37,7 @@ from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_accuracy
 from pipeline.group_sampling import Groups, Verifier, fitting_rows, sample_groups
 from pipeline.grpo import group_advantages, grpo_loss, informative_fraction
+from pipeline.model.lora import AdaptersOff, add_lora
 from pipeline.model.policy import Policy
 from pipeline.progress import progress_bar
 from pipeline.resume import load_resume, resume_key, save_resume
@@ -102,7 +103,7 @@ class GRPORun:
     train_rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
     policy: Policy
-    ref: Policy | None
+    ref: Policy | AdaptersOff | None  # anything with token_logprobs
     optimizer: torch.optim.Optimizer
     generator: torch.Generator
     rank: int = 0
@@ -200,7 +201,13 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     train_rows = fitting_rows(train_rows, policy, g.rollout_len, paths.train, stage)
     eval_rows = fitting_rows(eval_rows, policy, g.rollout_len, paths.eval, stage)
     policy.eval()  # GRPO runs the policy without dropout; eval() does not stop gradients
-    ref = load_policy(paths.reference, device=policy.device).frozen_copy() if g.kl_coef > 0 else None
+    if cfg.model.gradient_checkpointing and not policy.recompute:
+        policy.enable_recompute()
+    if cfg.model.lora_rank:  # adapters on the init model; the reference is that model, adapters off
+        add_lora(policy, cfg.model)
+        ref = AdaptersOff(policy) if g.kl_coef > 0 else None
+    else:
+        ref = load_policy(paths.reference, device=policy.device).frozen_copy() if g.kl_coef > 0 else None
     if world > 1:
         policy.runner = dist_utils.wrap_ddp(policy.module)
     optimizer = build_optimizer(policy.module, g.lr, g.weight_decay)
