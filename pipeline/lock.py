@@ -31,7 +31,8 @@ class WorkspaceBusyError(InputError):
     """Another pipeline run holds this workspace's lock."""
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -55,7 +56,7 @@ def is_stale(holder: dict[str, Any]) -> bool:
     """A lock whose holder is gone: its pid is dead on this host (another host's lock is never stale)."""
     if not holder.get("pid"):
         return False  # being written right now
-    return holder.get("host") == socket.gethostname() and not _alive(int(holder["pid"]))
+    return holder.get("host") == socket.gethostname() and not pid_alive(int(holder["pid"]))
 
 
 def describe(holder: dict[str, Any]) -> str:

@@ -233,3 +233,31 @@ def test_smoke_pipeline_through_flow(tmp_path, harness, monkeypatch):
     assert str(metrics["grpo"]) and "grpo" in str(arts["grpo-eval"].data)
 
     assert output_files(flow_dir) == smoke_outputs()  # test_dvc checks `dvc repro` gives the same set
+
+
+def test_failed_stage_fails_the_flow_closes_its_parent_and_saves_no_experiment(tmp_path, harness, monkeypatch):
+    """A stage's bad input ends the flow with its one-line error; the parent run is FAILED, no
+    experiment is saved, no worktree is left behind and the workspace is as it was."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.grpo_pipeline import grpo_pipeline
+    from pipeline.errors import InputError
+
+    repo = tracked_repo(tmp_path, "failing")
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    params = (repo / "params.yaml").read_bytes()
+    state = settled_state(grpo_pipeline(overrides=[f"data.gsm8k_source={tmp_path / 'missing'}"], return_state=True))
+    assert state.is_failed(), state
+    with pytest.raises(InputError, match=r"^prepare: .*missing"):
+        state.result()
+    runs = by_stage(task_runs_of(state.state_details.flow_run_id, expect={"prepare"}))
+    assert runs["prepare"].state.is_failed() and runs["prepare"].run_count == 1  # bad input: not retried
+    assert "sft" not in runs
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("failing")
+    parents = client.search_runs([exp.experiment_id], "tags.`grpo.role` = 'pipeline'")
+    assert [p.info.status for p in parents] == ["FAILED"]
+    assert (repo / "params.yaml").read_bytes() == params and not (repo / "data").exists()
+    assert not [e for row in json.loads(sh(repo, "dvc", "exp", "show", "--json")) for e in row.get("experiments") or []]
+    assert len(sh(repo, "git", "worktree", "list").splitlines()) == 1

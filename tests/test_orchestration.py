@@ -216,7 +216,7 @@ def test_killed_stage_run_is_marked_killed_on_the_next_start(tmp_path):
 
 # --------------------------------------------------------------------------- make run leaves tracked files alone
 
-VENV = Path(sys.executable).resolve().parents[1]
+VENV = Path(sys.prefix)
 
 
 @pytest.mark.slow

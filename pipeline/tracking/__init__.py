@@ -86,7 +86,7 @@ def stage_logger(cfg: Config, stage: str, enabled: bool = True) -> Iterator[Logg
 def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str] | None = None) -> str | None:
     """Open the parent run of one pipeline execution; None when tracking is off. Its id goes to the
     stages in ``GRPO_PARENT_RUN_ID``. Raises ``TrackingUnavailableError`` in seconds if the backend
-    is down; marks runs a killed process left RUNNING in this workspace KILLED."""
+    is down; marks KILLED the runs a killed process left RUNNING on this host."""
     if not cfg.tracking.enabled:
         return None
     from pipeline.tracking.mlflow_backend import start_pipeline_run as _start

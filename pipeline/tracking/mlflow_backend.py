@@ -11,9 +11,8 @@ stage copies its parent's), ``mlflow.runName``, ``mlflow.parentRunId``; ours are
 (pipeline / stage), ``grpo.stage``, ``grpo.dirty``, ``grpo.workspace``, ``grpo.experiment``.
 
 No run stays RUNNING. A stage that raises marks its run FAILED (KILLED on Ctrl-C); a process
-killed outright cannot, so every new run first marks the RUNNING runs of its workspace KILLED:
-the workspace lock (:mod:`pipeline.lock`) guarantees no other run is live there, except the
-caller's own parent.
+killed outright cannot, so every run records its process (``grpo.host``, ``grpo.pid``) and every
+new run first marks KILLED the RUNNING runs whose process is gone from this host.
 
 Failure policy: the tracking backend is probed when a stage starts, *before* any training; an
 unreachable server raises :class:`TrackingUnavailableError` (an ``InputError``: one line, exit 2)
@@ -29,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -37,6 +37,7 @@ from typing import Any
 
 from pipeline.config import CHECKPOINT_DIR, Config
 from pipeline.errors import InputError
+from pipeline.lock import pid_alive
 from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, TrackingUnavailableError, experiment_label,
                                       git_state, resolve_uri, run_name, runtime_tags, temporary_env)
 
@@ -44,6 +45,7 @@ PROBE_TIMEOUT_S = 5.0
 ROLE_TAG = "grpo.role"  # "pipeline" on parents, "stage" on stage runs
 STAGE_TAG = "grpo.stage"
 WORKSPACE_TAG = "grpo.workspace"
+HOST_TAG, PID_TAG = "grpo.host", "grpo.pid"  # the process that owns a RUNNING run
 COMMIT_TAG = "mlflow.source.git.commit"
 CHECKPOINT_TAG = "grpo.checkpoint_sha256"
 TRAINING_STAGES = ("sft", "warmup", "grpo")
@@ -134,7 +136,7 @@ def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
 
 def _base_tags(role: str) -> dict[str, str]:
     tags = {ROLE_TAG: role, WORKSPACE_TAG: str(Path.cwd().resolve()), "mlflow.source.type": "JOB",
-            **runtime_tags()}
+            HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()), **runtime_tags()}
     if os.environ.get(FLOW_RUN_ENV):
         tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
     if label := experiment_label():
@@ -151,15 +153,14 @@ def _git_tags() -> dict[str, str]:
     return {COMMIT_TAG: commit, "grpo.dirty": str(dirty).lower()} if commit else {}
 
 
-def close_stale_runs(client, exp_id: str, keep: str | None = None) -> list[str]:
-    """Mark KILLED the runs of this workspace left RUNNING by a killed process; returns their ids.
-
-    Safe because the caller holds the workspace lock: no other run of this workspace is live,
-    except ``keep`` (the caller's own parent)."""
-    here = str(Path.cwd().resolve()).replace("'", "")
-    found = client.search_runs([exp_id], filter_string=f"attributes.status = 'RUNNING' and "
-                                                        f"tags.`{WORKSPACE_TAG}` = '{here}'", max_results=200)
-    stale = [r.info.run_id for r in found if r.info.run_id != keep]
+def close_stale_runs(client, exp_id: str) -> list[str]:
+    """Mark KILLED the runs left RUNNING by a process that is gone (its pid, recorded on the run, is
+    dead on this host); returns their ids. Runs of live processes, here or on other hosts, stay."""
+    host = socket.gethostname().replace("'", "")
+    found = client.search_runs([exp_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'",
+                               max_results=500)
+    stale = [r.info.run_id for r in found if r.data.tags.get(PID_TAG, "").isdigit()
+             and not pid_alive(int(r.data.tags[PID_TAG]))]
     for run_id in stale:
         client.set_terminated(run_id, status="KILLED")
     return stale
@@ -293,7 +294,7 @@ class MlflowLogger:
 
 def _open_stage_run(client, exp_id: str, cfg: Config, stage: str) -> str:
     parent_id = os.environ.get(PARENT_RUN_ENV) or None
-    close_stale_runs(client, exp_id, keep=parent_id)
+    close_stale_runs(client, exp_id)
     tags = {**_base_tags("stage"), STAGE_TAG: stage}
     if parent_id:  # the commit when the pipeline started, not now
         parent = client.get_run(parent_id)
