@@ -321,8 +321,19 @@ def is_reward_spec(spec: str) -> bool:
 
 def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
     """(key, ok, what is allowed) for every range rule; derived checks live here only."""
-    d, m, s, e = cfg.data, cfg.model, cfg.sft, cfg.evaluate
-    rules = [
+    w = cfg.warmup
+    return [
+        *_data_model_rules(cfg), *_sft_eval_rules(cfg),
+        *(rule for name in ("warmup", "grpo") for rule in _grpo_rules(name, getattr(cfg, name), cfg.model.block_size)),
+        ("warmup.min_informative", 0.0 <= w.min_informative <= 1.0, "a number in [0, 1]"),
+        ("warmup.exit_accuracy", 0.0 <= w.exit_accuracy <= 1.0, "a number in [0, 1]"),
+        ("warmup.max_extra_iters", w.max_extra_iters >= 0, "an integer >= 0"),
+    ]
+
+
+def _data_model_rules(cfg: Config) -> list[tuple[str, bool, str]]:
+    d, m = cfg.data, cfg.model
+    return [
         ("data.val_size", d.val_size >= 0, "an integer >= 0"),
         ("data.max_bad_fraction", 0.0 <= d.max_bad_fraction <= 1.0, "a number in [0, 1]"),
         ("data.arith_train_size", d.arith_train_size >= 1, "an integer >= 1"),
@@ -349,6 +360,12 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
          "a non-empty list of module names, e.g. [q_proj, v_proj]"),
         ("model.gradient_checkpointing", not m.gradient_checkpointing or m.backend == "hf",
          "true only with model.backend hf"),
+    ]
+
+
+def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
+    m, s, e = cfg.model, cfg.sft, cfg.evaluate
+    return [
         ("evaluate.reward", is_reward_spec(e.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
         ("sft.steps", s.steps >= 0, "an integer >= 0"),
         ("sft.batch_size", s.batch_size >= 1, "an integer >= 1"),
@@ -378,44 +395,38 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("tracking.experiment", bool(cfg.tracking.experiment.strip()), "a non-empty name"),
         ("tracking.log_model_max_mb", cfg.tracking.log_model_max_mb >= 0, "a number >= 0 (0 = never)"),
     ]
-    for name in ("warmup", "grpo"):
-        g: GRPOConfig = getattr(cfg, name)
-        rules += [
-            (f"{name}.iterations", g.iterations >= 0, "an integer >= 0"),
-            (f"{name}.prompts_per_iter", g.prompts_per_iter >= 1, "an integer >= 1"),
-            (f"{name}.group_size", g.group_size >= 2, "an integer >= 2 (a group needs peers)"),
-            (f"{name}.grpo_epochs", g.grpo_epochs >= 1, "an integer >= 1"),
-            (f"{name}.minibatch_groups", 0 <= g.minibatch_groups <= g.prompts_per_iter,
-             "an integer in [0, prompts_per_iter] (0 = whole batch)"),
-            (f"{name}.lr", g.lr > 0, "a number > 0"),
-            (f"{name}.warmup_iters", g.warmup_iters >= 0, "an integer >= 0"),
-            (f"{name}.weight_decay", g.weight_decay >= 0, "a number >= 0"),
-            (f"{name}.clip", 0.0 < g.clip < 1.0, "a number in (0, 1)"),
-            (f"{name}.clip_high", g.clip_high == 0.0 or 0.0 < g.clip_high < 10.0,
-             "0 (same as clip) or a number in (0, 10)"),
-            (f"{name}.kl_coef", g.kl_coef >= 0, "a number >= 0"),
-            (f"{name}.temperature", g.temperature > 0, "a number > 0"),
-            (f"{name}.top_p", 0.0 < g.top_p <= 1.0, "a number in (0, 1]"),
-            (f"{name}.top_k", g.top_k >= 0, "an integer >= 0 (0 = off)"),
-            (f"{name}.rollout_len", 1 <= g.rollout_len < m.block_size, "an integer in [1, model.block_size)"),
-            (f"{name}.grad_clip", g.grad_clip > 0, "a number > 0"),
-            (f"{name}.max_sampling_rounds", g.max_sampling_rounds >= 1, "an integer >= 1"),
-            (f"{name}.max_nonfinite", g.max_nonfinite >= 1, "an integer >= 1"),
-            (f"{name}.log_every", g.log_every >= 1, "an integer >= 1"),
-            (f"{name}.eval_every", g.eval_every >= 0, "an integer >= 0 (0 = off)"),
-            (f"{name}.eval_samples", g.eval_samples >= 0, "an integer >= 0"),
-            (f"{name}.save_every", g.save_every >= 1, "an integer >= 1"),
-            (f"{name}.keep_last", g.keep_last >= 1, "an integer >= 1"),
-            (f"{name}.nproc", g.nproc >= 1, "an integer >= 1"),
-            (f"{name}.reward", is_reward_spec(g.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
-        ]
-    w = cfg.warmup
-    rules += [
-        ("warmup.min_informative", 0.0 <= w.min_informative <= 1.0, "a number in [0, 1]"),
-        ("warmup.exit_accuracy", 0.0 <= w.exit_accuracy <= 1.0, "a number in [0, 1]"),
-        ("warmup.max_extra_iters", w.max_extra_iters >= 0, "an integer >= 0"),
+
+
+def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bool, str]]:
+    return [
+        (f"{name}.iterations", g.iterations >= 0, "an integer >= 0"),
+        (f"{name}.prompts_per_iter", g.prompts_per_iter >= 1, "an integer >= 1"),
+        (f"{name}.group_size", g.group_size >= 2, "an integer >= 2 (a group needs peers)"),
+        (f"{name}.grpo_epochs", g.grpo_epochs >= 1, "an integer >= 1"),
+        (f"{name}.minibatch_groups", 0 <= g.minibatch_groups <= g.prompts_per_iter,
+         "an integer in [0, prompts_per_iter] (0 = whole batch)"),
+        (f"{name}.lr", g.lr > 0, "a number > 0"),
+        (f"{name}.warmup_iters", g.warmup_iters >= 0, "an integer >= 0"),
+        (f"{name}.weight_decay", g.weight_decay >= 0, "a number >= 0"),
+        (f"{name}.clip", 0.0 < g.clip < 1.0, "a number in (0, 1)"),
+        (f"{name}.clip_high", g.clip_high == 0.0 or 0.0 < g.clip_high < 10.0,
+         "0 (same as clip) or a number in (0, 10)"),
+        (f"{name}.kl_coef", g.kl_coef >= 0, "a number >= 0"),
+        (f"{name}.temperature", g.temperature > 0, "a number > 0"),
+        (f"{name}.top_p", 0.0 < g.top_p <= 1.0, "a number in (0, 1]"),
+        (f"{name}.top_k", g.top_k >= 0, "an integer >= 0 (0 = off)"),
+        (f"{name}.rollout_len", 1 <= g.rollout_len < block_size, "an integer in [1, model.block_size)"),
+        (f"{name}.grad_clip", g.grad_clip > 0, "a number > 0"),
+        (f"{name}.max_sampling_rounds", g.max_sampling_rounds >= 1, "an integer >= 1"),
+        (f"{name}.max_nonfinite", g.max_nonfinite >= 1, "an integer >= 1"),
+        (f"{name}.log_every", g.log_every >= 1, "an integer >= 1"),
+        (f"{name}.eval_every", g.eval_every >= 0, "an integer >= 0 (0 = off)"),
+        (f"{name}.eval_samples", g.eval_samples >= 0, "an integer >= 0"),
+        (f"{name}.save_every", g.save_every >= 1, "an integer >= 1"),
+        (f"{name}.keep_last", g.keep_last >= 1, "an integer >= 1"),
+        (f"{name}.nproc", g.nproc >= 1, "an integer >= 1"),
+        (f"{name}.reward", is_reward_spec(g.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
     ]
-    return rules
 
 
 def validate(cfg: Config, source: str = "params") -> Config:

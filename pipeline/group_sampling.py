@@ -35,8 +35,8 @@ Verifier = Callable[[str], Callable[[str, Any], float]]  # a row's `source` -> (
 # --------------------------------------------------------------------------- prompt order
 
 def _permutation(n: int, seed: int, epoch: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 7919 + epoch)
-    return torch.randperm(n, generator=g).tolist()
+    gen = torch.Generator().manual_seed(seed * 7919 + epoch)
+    return torch.randperm(n, generator=gen).tolist()
 
 
 def next_prompts(n: int, seed: int, cursor: Cursor, k: int) -> tuple[list[int], Cursor]:
@@ -88,29 +88,29 @@ def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, verifie
                          for i, t in enumerate(texts)])
 
 
-def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, g: GRPOConfig, verifier: Verifier,
+def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, conf: GRPOConfig, verifier: Verifier,
                   generator: torch.Generator, rank: int = 0, world: int = 1) -> Groups:
     """Roll out and score this rank's groups; with dynamic sampling, replace zero-variance groups."""
-    G, per_rank = g.group_size, g.prompts_per_iter // world
+    G, per_rank = conf.group_size, conf.prompts_per_iter // world
     kept_rows: list[dict[str, Any]] = []
     kept: list[tuple[Rollout, list[int]]] = []
     kept_rewards: list[torch.Tensor] = []
     sampled: list[torch.Tensor] = []
     dropped, rounds, times = 0, 0, {"rollout": 0.0, "scoring": 0.0}
-    while rounds < g.max_sampling_rounds:
+    while rounds < conf.max_sampling_rounds:
         need = per_rank - len(kept_rows)
         # all ranks draw together (same cursor, disjoint prompts) until none needs more
         need_max = dist_utils.max_across_ranks(need)
         if need_max == 0:
             break
-        idx, cursor = next_shard(len(rows), g.seed, cursor, need, need_max, rank, world)
+        idx, cursor = next_shard(len(rows), conf.seed, cursor, need, need_max, rank, world)
         rounds += 1
         if not idx:  # this rank is full; it still drew so that its cursor stays in step
             continue
         batch = [rows[i] for i in idx]
         t0 = time.perf_counter()
-        ro = rollout_prompts(policy, [r["prompt"] for r in batch], G, g.rollout_len, g.temperature,
-                             g.top_p, g.top_k, generator=generator)
+        ro = rollout_prompts(policy, [r["prompt"] for r in batch], G, conf.rollout_len, conf.temperature,
+                             conf.top_p, conf.top_k, generator=generator)
         t1 = time.perf_counter()
         rewards = score(batch, ro.texts, G, verifier).view(-1, G)  # (prompts, G)
         times["rollout"] += t1 - t0
@@ -119,13 +119,13 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, g:
         informative = rewards.std(dim=1) > 1e-6
         for j, row in enumerate(batch):
             # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)
-            if g.dynamic_sampling and not informative[j] and rounds < g.max_sampling_rounds:
+            if conf.dynamic_sampling and not informative[j] and rounds < conf.max_sampling_rounds:
                 dropped += 1
                 continue
             kept_rows.append(row)
             kept.append((ro, list(range(j * G, (j + 1) * G))))
             kept_rewards.append(rewards[j])
-        if not g.dynamic_sampling:
+        if not conf.dynamic_sampling:
             break
     rollout = select_rollouts(kept[:per_rank], policy.tokenizer.pad_id)
     return Groups(kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), torch.cat(sampled), dropped,

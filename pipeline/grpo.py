@@ -1,6 +1,6 @@
 r"""GRPO math: group-relative advantages, the k3 KL estimator and the clipped surrogate loss.
 
-The defaults reproduce the seed chapter (DeepSeekMath GRPO as taught in "从零训练大模型 (十六)"):
+The defaults reproduce the reference chapter (DeepSeekMath GRPO as taught in "从零训练大模型 (十六)"):
 
     A_i     = (r_i - mean(r_group)) / (std(r_group) + 1e-4)          torch's unbiased std
     rho_t   = exp(logp_new - logp_old)
@@ -21,7 +21,7 @@ Variants users ask for, each off by default:
 - ``clip_high`` (DAPO clip-higher, Yu et al. 2025): clip(rho, 1 - eps_low, 1 + eps_high) with
   eps_high > eps_low (DAPO uses 0.2 / 0.28) so low-probability tokens can rise; fights entropy collapse.
 - ``loss_agg``:
-    * ``token-mean`` (seed, DAPO):        sum_{i,t} m L / sum_{i,t} m
+    * ``token-mean`` (the reference chapter, DAPO):        sum_{i,t} m L / sum_{i,t} m
     * ``seq-mean-token-mean`` (DeepSeekMath paper, eq. 3): mean_i [ sum_t m L / sum_t m ]
     * ``seq-mean-token-sum-norm`` (Dr. GRPO): sum_{i,t} m L / (N * max_len), a constant normaliser
       (``max_len`` = the generation budget), which removes the length bias of per-sequence means.
@@ -51,7 +51,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4,
     r = rewards.float().view(-1, group_size)                    # (P, G): one row per prompt
     centered = r - r.mean(dim=1, keepdim=True)                   # baseline = the group's mean reward
     if norm == "group":
-        adv = centered / (r.std(dim=1, keepdim=True) + eps)      # the seed: per-group std
+        adv = centered / (r.std(dim=1, keepdim=True) + eps)      # the reference chapter: per-group std
     elif norm == "batch":
         adv = centered / (r.std() + eps)
     elif norm == "none":

@@ -12,10 +12,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from pipeline.rewards.parsing import ANSWER_CLOSE, ANSWER_OPEN  # the answer tags, one token each
+
 PAD = "<|pad|>"
 EOS = "<|endoftext|>"
-ANSWER_OPEN = "<answer>"
-ANSWER_CLOSE = "</answer>"
 SPECIAL_TOKENS = [PAD, EOS, ANSWER_OPEN, ANSWER_CLOSE]
 TOKENIZER_FILE = "tokenizer.json"
 

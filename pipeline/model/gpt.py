@@ -16,7 +16,7 @@ written so far, so a new token costs one position, not the whole prefix. For G s
 prompt the G rows share one copy of the prompt's keys (:func:`grouped_prefix_attention`). The GRPO
 log-prob passes do the same with gradients (:func:`shared_prompt_logits`, :class:`PromptKV`).
 
-The seed's size (24 layers, 1024 wide, 16 heads, context 1024, vocab 2048) is ~405.8M parameters
+The reference chapter's size (24 layers, 1024 wide, 16 heads, context 1024, vocab 2048) is ~405.8M parameters
 with learned positions and ~404.8M with rope: 16 * n_embd^2 per block (4 attention + 12 SwiGLU).
 """
 

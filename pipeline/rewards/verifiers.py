@@ -1,8 +1,8 @@
-"""RLVR verifiers: pure functions `(completion, gold) -> float` (the seed's section 1.3).
+"""RLVR verifiers: pure functions `(completion, gold) -> float` (the reference chapter's section 1.3).
 
 Correctness dominates (+1.0); a small format bonus (+0.2) rewards exactly one well-formed
-`<answer>N</answer>` block; the sum is clipped at 1.2. The bonus stays small so a small model
-cannot farm it: an empty or non-numeric tag earns nothing (the reward hack the seed warns about).
+`<answer>N</answer>` block; the most a completion earns is their sum, 1.2. The bonus stays small so a small model
+cannot farm it: an empty or non-numeric tag earns nothing (the reward hack the reference chapter warns about).
 
 Plug-in: ``grpo.reward`` / ``warmup.reward`` / ``evaluate.reward`` = ``"module:function"`` names a
 user's own ``(completion, gold) -> float`` (for another dataset with checkable answers). It is
@@ -23,7 +23,6 @@ from pipeline.rewards.parsing import ANSWER_CLOSE, ANSWER_OPEN, answer_block, ex
 
 CORRECT_BONUS = 1.0
 FORMAT_BONUS = 0.2
-REWARD_CLIP = 1.2
 ABS_TOL = 1e-4
 
 
@@ -42,13 +41,13 @@ def has_well_formed_answer(text: str) -> bool:
 
 
 def reward_gsm8k(text: str, gold: float | None) -> float:
-    """Correctness (dominant) + small format bonus, clipped; `gold=None` scores format only."""
+    """Correctness (dominant) + small format bonus; `gold=None` scores format only."""
     r = 0.0
     if answers_match(extract_answer(text), gold):
         r += CORRECT_BONUS
     if has_well_formed_answer(text):
         r += FORMAT_BONUS
-    return min(r, REWARD_CLIP)
+    return r
 
 
 def reward_arith(text: str, gold: float | None) -> float:

@@ -1,4 +1,4 @@
-"""The two GRPO stages, one loop (the seed's section 5):
+"""The two GRPO stages, one loop (the reference chapter's section 5):
 
 - ``warmup``: GRPO on the arithmetic curriculum, from ``checkpoints/sft``, writes ``checkpoints/warmup``.
 - ``grpo``:   GRPO on GSM8K train, from ``checkpoints/warmup``, writes ``checkpoints/grpo``.
@@ -98,7 +98,7 @@ class GRPORun:
 
     cfg: Config
     stage: str
-    g: GRPOConfig
+    conf: GRPOConfig
     paths: StagePaths
     train_rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
@@ -117,10 +117,10 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
     (default: the built-in ones, or the user's `<stage>.reward`)."""
     verifier = verifier or rewards_by_source(getattr(cfg, stage).reward, f"{stage}.reward")  # fails fast
     run = setup(cfg, stage)
-    g, is_main = run.g, run.rank == 0
+    conf, is_main = run.conf, run.rank == 0
     key = compatibility_key(run)
     state = (load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator)
-             or TrainState(total_iters=g.iterations))
+             or TrainState(total_iters=conf.iterations))
     with stage_logger(cfg, stage, enabled=is_main) as tracker, progress_bar(enabled=is_main) as bar:
         if is_main:
             tracker.log_params(cfg.flat())
@@ -131,18 +131,18 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
             state.iteration += 1
             it, last = state.iteration, state.iteration == state.total_iters
             # --- evaluate, adapt the curriculum ------------------------------------------------
-            if g.eval_every and (it % g.eval_every == 0 or last):
-                metrics["accuracy"] = greedy_accuracy(run.policy, run.eval_rows, g.rollout_len)
-            adapt_curriculum(g, state, metrics)
+            if conf.eval_every and (it % conf.eval_every == 0 or last):
+                metrics["accuracy"] = greedy_accuracy(run.policy, run.eval_rows, conf.rollout_len)
+            adapt_curriculum(conf, state, metrics)
             state.series.append({"iteration": it, **{k: metrics.get(k) for k in CSV_COLUMNS[1:]}})
             # --- log -----------------------------------------------------------------------------
-            info = progress_info(metrics, g.dynamic_sampling)
+            info = progress_info(metrics, conf.dynamic_sampling)
             bar.update(task, completed=it, total=state.total_iters, info=info)
-            if is_main and (it % g.log_every == 0 or it == state.total_iters):
+            if is_main and (it % conf.log_every == 0 or it == state.total_iters):
                 log_iteration(tracker, stage, state, metrics, samples, info)
             # --- save ----------------------------------------------------------------------------
-            if is_main and it % g.save_every == 0 and it < state.total_iters:
-                save_resume(run.paths.resume, it, key, state, run.policy, run.optimizer, run.generator, g.keep_last)
+            if is_main and it % conf.save_every == 0 and it < state.total_iters:
+                save_resume(run.paths.resume, it, key, state, run.policy, run.optimizer, run.generator, conf.keep_last)
                 write_series_csv(run.paths.csv, state.series, CSV_COLUMNS)
         summary = finish(run, state, tracker)
     dist_utils.barrier()
@@ -152,15 +152,15 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
 def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple[dict[str, Any], list[dict]]:
     """One iteration: sample groups -> score -> advantages -> old/ref log-probs -> update.
     Returns this iteration's metrics (averaged over ranks) and a few sample completions."""
-    g, G = run.g, run.g.group_size
+    conf, G = run.conf, run.conf.group_size
     t_start = time.perf_counter()
     # --- sample prompt groups, G completions each, scored by the verifier ------------------------
-    groups = sample_groups(run.policy, run.train_rows, (state.prompt_epoch, state.prompt_pos), g, verifier,
+    groups = sample_groups(run.policy, run.train_rows, (state.prompt_epoch, state.prompt_pos), conf, verifier,
                            run.generator, run.rank, run.world)
     state.prompt_epoch, state.prompt_pos = groups.cursor
     ro = groups.rollout
     # --- group-relative advantages ----------------------------------------------------------------
-    adv = group_advantages(groups.rewards, G, norm=g.adv_norm)
+    adv = group_advantages(groups.rewards, G, norm=conf.adv_norm)
     # --- old and reference log-probs, without grad (responses start at ro.prompt_len) -------------
     _sync(run.policy)
     t_lp = time.perf_counter()
@@ -168,10 +168,10 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
     _sync(run.policy)
     t_upd = time.perf_counter()
     # --- the update: grpo_epochs passes over minibatches of whole groups --------------------------
-    lr = lr_at(state.iteration, state.total_iters, g.lr, g.warmup_iters, g.lr_schedule)
+    lr = lr_at(state.iteration, state.total_iters, conf.lr, conf.warmup_iters, conf.lr_schedule)
     set_lr(run.optimizer, lr)
     batch = Batch(ro.input_ids, ro.attention_mask, ro.response_mask, adv, old_lp, ref_lp, ro.prompt_len)
-    stats = update(run.policy, run.optimizer, g, batch, state, run.stage)
+    stats = update(run.policy, run.optimizer, conf, batch, state, run.stage)
     _sync(run.policy)
     times = {**groups.times, "logprobs": t_lp, "update": t_upd, "start": t_start, "end": time.perf_counter()}
     return iteration_metrics(run, state, groups, stats, lr, times), sample_rows(groups, G)
@@ -182,43 +182,43 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
 def setup(cfg: Config, stage: str) -> GRPORun:
     """Inputs checked and read; policy, reference, optimizer and sampling generator at iteration 0
     (benchmarks call this, then `grpo_iteration`, with no logging or saving)."""
-    g: GRPOConfig = getattr(cfg, stage)
+    conf: GRPOConfig = getattr(cfg, stage)
     paths = StagePaths.of(stage)
     rank, world = dist_utils.rank(), dist_utils.world_size()
-    if g.nproc > 1 and world == 1:
-        raise InputError(f"{stage}.nproc = {g.nproc} needs {g.nproc} processes: run the stage through "
+    if conf.nproc > 1 and world == 1:
+        raise InputError(f"{stage}.nproc = {conf.nproc} needs {conf.nproc} processes: run the stage through "
                          f"`python -m pipeline {stage}`, which starts them with torchrun")
-    if g.prompts_per_iter % world:
-        raise InputError(f"{stage}.prompts_per_iter = {g.prompts_per_iter} must be divisible by "
+    if conf.prompts_per_iter % world:
+        raise InputError(f"{stage}.prompts_per_iter = {conf.prompts_per_iter} must be divisible by "
                          f"{stage}.nproc = {world} (prompts are sharded by rank)")
     for p in (paths.init, paths.reference):
         if not (p / "config.json").is_file():
             raise InputError(f"{p}: checkpoint not found (run the stage that writes it first)")
-    train_rows, eval_rows = read_rows(paths.train), read_rows(paths.eval)[: g.eval_samples]
-    torch.manual_seed(g.seed)
+    train_rows, eval_rows = read_rows(paths.train), read_rows(paths.eval)[: conf.eval_samples]
+    torch.manual_seed(conf.seed)
     policy = load_policy(paths.init, device=cfg.model.device)
     dist_utils.use_device(policy.device)  # NCCL collectives need tensors on the GPU
-    train_rows = fitting_rows(train_rows, policy, g.rollout_len, paths.train, stage)
-    eval_rows = fitting_rows(eval_rows, policy, g.rollout_len, paths.eval, stage)
+    train_rows = fitting_rows(train_rows, policy, conf.rollout_len, paths.train, stage)
+    eval_rows = fitting_rows(eval_rows, policy, conf.rollout_len, paths.eval, stage)
     policy.eval()  # GRPO runs the policy without dropout; eval() does not stop gradients
     if cfg.model.gradient_checkpointing and not policy.recompute:
         policy.enable_recompute()
     if cfg.model.lora_rank:  # adapters on the init model; the reference is that model, adapters off
         add_lora(policy, cfg.model)
-        ref = AdaptersOff(policy) if g.kl_coef > 0 else None
+        ref = AdaptersOff(policy) if conf.kl_coef > 0 else None
     else:
-        ref = load_policy(paths.reference, device=policy.device).frozen_copy() if g.kl_coef > 0 else None
+        ref = load_policy(paths.reference, device=policy.device).frozen_copy() if conf.kl_coef > 0 else None
     if world > 1:
         policy.runner = dist_utils.wrap_ddp(policy.module)
-    optimizer = build_optimizer(policy.module, g.lr, g.weight_decay)
+    optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
     # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
-    generator = torch.Generator(device=policy.device).manual_seed(g.seed * 1000 + rank)
-    return GRPORun(cfg, stage, g, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world)
+    generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
+    return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world)
 
 
 def compatibility_key(run: GRPORun) -> str:
     """The resume key: a resume state from other params, weights or data is ignored."""
-    params = {"stage": dataclasses.asdict(run.g), "model": dataclasses.asdict(run.cfg.model),
+    params = {"stage": dataclasses.asdict(run.conf), "model": dataclasses.asdict(run.cfg.model),
               "template": run.cfg.data.prompt_template}
     p = run.paths
     weights = sorted(p.init.glob("*.safetensors")) + sorted(p.reference.glob("*.safetensors"))
@@ -243,41 +243,41 @@ class Batch:
 
 def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, start: int):
     """(old, ref) per-token log-probs under inference mode; either may be None (see `Batch`)."""
-    g, G = run.g, run.g.group_size
-    single_step = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter // run.world)
+    conf, G = run.conf, run.conf.group_size
+    single_step = conf.grpo_epochs == 1 and conf.minibatch_groups in (0, conf.prompts_per_iter // run.world)
     with torch.inference_mode():
         # One optimizer step per iteration: the policy has not moved since sampling, so
         # old = new.detach() exactly (TRL does the same); otherwise recompute under no grad.
-        old = None if single_step else run.policy.token_logprobs(ids, attn, g.temperature, start=start, group_size=G)
-        ref = run.ref.token_logprobs(ids, attn, g.temperature, start=start, group_size=G) if run.ref else None
+        old = None if single_step else run.policy.token_logprobs(ids, attn, conf.temperature, start=start, group_size=G)
+        ref = run.ref.token_logprobs(ids, attn, conf.temperature, start=start, group_size=G) if run.ref else None
     return old, ref
 
 
-def update(policy: Policy, optimizer: torch.optim.Optimizer, g: GRPOConfig, batch: Batch, state: TrainState,
+def update(policy: Policy, optimizer: torch.optim.Optimizer, conf: GRPOConfig, batch: Batch, state: TrainState,
            stage: str) -> dict[str, float]:
     """`grpo_epochs` passes over minibatches of whole groups; non-finite steps are skipped and
     counted (pipeline.training). Returns the mean of each loss statistic over the steps taken."""
-    G, n = g.group_size, batch.input_ids.shape[0]
-    mb = (g.minibatch_groups or n // G) * G
+    G, n = conf.group_size, batch.input_ids.shape[0]
+    mb = (conf.minibatch_groups or n // G) * G
     acc: dict[str, list[torch.Tensor]] = {}
-    for _ in range(g.grpo_epochs):
+    for _ in range(conf.grpo_epochs):
         for s in range(0, n, mb):
             sl = slice(s, s + mb)
-            new_lp = policy.token_logprobs(batch.input_ids[sl], batch.attention_mask[sl], g.temperature,
+            new_lp = policy.token_logprobs(batch.input_ids[sl], batch.attention_mask[sl], conf.temperature,
                                            start=batch.start, group_size=G)
             old = new_lp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
             ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
             resp = batch.response_mask[sl]
-            loss, st = grpo_loss(new_lp, old, ref, batch.advantages[sl], resp, clip=g.clip, kl_coef=g.kl_coef,
-                                 clip_high=g.clip_high or None, loss_agg=g.loss_agg, importance=g.importance,
-                                 max_len=g.rollout_len)
+            loss, st = grpo_loss(new_lp, old, ref, batch.advantages[sl], resp, clip=conf.clip, kl_coef=conf.kl_coef,
+                                 clip_high=conf.clip_high or None, loss_agg=conf.loss_agg, importance=conf.importance,
+                                 max_len=conf.rollout_len)
             # DDP averages gradients over ranks; weight each rank's loss by its share of the
             # global normaliser so the update equals one process on the whole batch.
-            loss = loss * dist_utils.loss_weight(resp, g.loss_agg)
+            loss = loss * dist_utils.loss_weight(resp, conf.loss_agg)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            norm = step_if_finite(optimizer, policy.module.parameters(), g.grad_clip, loss)
-            count_nonfinite(state, norm is not None, g.max_nonfinite, stage, f"iteration {state.iteration + 1}",
+            norm = step_if_finite(optimizer, policy.module.parameters(), conf.grad_clip, loss)
+            count_nonfinite(state, norm is not None, conf.max_nonfinite, stage, f"iteration {state.iteration + 1}",
                             Path(CHECKPOINT_DIR) / f"{stage}.resume")
             if norm is not None:
                 for k, v in {**st, "loss": loss.detach(), "grad_norm": norm}.items():
@@ -298,7 +298,7 @@ def _sync(policy: Policy) -> None:
 def iteration_metrics(run: GRPORun, state: TrainState, groups: Groups, stats: dict[str, float], lr: float,
                       times: dict[str, float]) -> dict[str, Any]:
     """The iteration's figures, averaged (or summed, then divided) over ranks."""
-    G, ro, rewards, sampled = run.g.group_size, groups.rollout, groups.rewards, groups.sampled
+    G, ro, rewards, sampled = run.conf.group_size, groups.rollout, groups.rewards, groups.sampled
     resp_f = ro.response_mask.float()
     lengths = resp_f.sum(1)
     n_tok = float(lengths.sum().item())
@@ -335,21 +335,21 @@ def sample_rows(groups: Groups, G: int) -> list[dict[str, Any]]:
             for i in range(0, min(len(ro.texts), 3 * G), G)]
 
 
-def adapt_curriculum(g: GRPOConfig, state: TrainState, metrics: dict[str, Any]) -> None:
+def adapt_curriculum(conf: GRPOConfig, state: TrainState, metrics: dict[str, Any]) -> None:
     """Adaptive curriculum (warmup only): leave early, or stay longer while groups are uninformative."""
-    if not isinstance(g, WarmupConfig) or not g.adaptive:
+    if not isinstance(conf, WarmupConfig) or not conf.adaptive:
         return
     acc, it = metrics.get("accuracy"), state.iteration
     decision = None
-    if acc is not None and metrics["reward"] >= g.exit_reward and acc >= g.exit_accuracy:
+    if acc is not None and metrics["reward"] >= conf.exit_reward and acc >= conf.exit_accuracy:
         if it < state.total_iters:
             decision = (f"iteration {it}: reward {metrics['reward']:.3f} and accuracy {acc:.3f} "
                         f"passed the thresholds; leaving the warmup early")
             state.total_iters = it
-    elif (it == state.total_iters and metrics["informative"] < g.min_informative
-          and state.total_iters < g.iterations + g.max_extra_iters):
+    elif (it == state.total_iters and metrics["informative"] < conf.min_informative
+          and state.total_iters < conf.iterations + conf.max_extra_iters):
         state.total_iters += 1
-        decision = (f"iteration {it}: informative {metrics['informative']:.2f} < {g.min_informative}; "
+        decision = (f"iteration {it}: informative {metrics['informative']:.2f} < {conf.min_informative}; "
                     f"extending the warmup by one iteration")
     if decision:
         state.adaptive_log.append(decision)

@@ -1,0 +1,131 @@
+"""The shape of pipeline/ as docs/architecture.md draws it, read from the source with `ast`: every
+module sits in one layer and imports only from layers below it (so there is no import circle and no
+stage imports another), no function is over 60 lines, and no stage starts a process."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = ROOT / "pipeline"
+
+# bottom to top; a module may import (at any depth of its code) only modules of lower layers
+LAYERS = [
+    ["errors", "utils", "config", "distributed", "progress", "rewards.parsing",
+     "model.attention", "model.fastpaths", "model.packed"],
+    ["lock", "rewards.verifiers", "tokenizer", "grpo", "summary", "model.logprobs", "model.lora"],
+    ["data.schema", "data.prompts", "model.gpt", "model.hf", "training", "tracking.common"],
+    ["files", "data.arithmetic", "model.policy", "tracking.mlflow_backend"],
+    ["data.gsm8k", "evaluation", "rollout", "checkpoint", "tracking", "tracking.compare"],
+    ["generation", "group_sampling", "resume"],
+    ["stages.prepare", "stages.sft", "stages.grpo", "stages.evaluate"],
+    ["stages"],
+    ["__main__"],
+]
+PACKAGES = {"pipeline", "pipeline.data", "pipeline.model", "pipeline.rewards"}  # empty __init__ files
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PIPELINE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str:
+    """The pipeline module an import names (`pipeline.model.gpt.GPT` -> `pipeline.model.gpt`)."""
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def imports_of(module: str) -> set[str]:
+    """Every pipeline module `module` imports, at module level or inside a function."""
+    deps = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            deps |= {_resolve(a.name) for a in node.names if a.name.startswith("pipeline")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeline"):
+            deps |= {_resolve(f"{node.module}.{a.name}") for a in node.names}
+    return deps - {module} - PACKAGES
+
+
+def layer_of(module: str) -> int:
+    short = module.removeprefix("pipeline.")
+    for i, names in enumerate(LAYERS):
+        if short in names:
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_code_shape.py (and docs/architecture.md)")
+
+
+def test_every_module_has_a_layer():
+    for module in set(MODULES) - PACKAGES:
+        layer_of(module)
+    listed = {f"pipeline.{m}" for names in LAYERS for m in names}
+    assert listed <= set(MODULES), f"layers name modules that do not exist: {sorted(listed - set(MODULES))}"
+
+
+@pytest.mark.parametrize("module", sorted(set(MODULES) - PACKAGES))
+def test_imports_go_only_to_lower_layers(module):
+    """Downhill only: no circle, no stage importing another, no library module importing a stage."""
+    here = layer_of(module)
+    upward = sorted(d for d in imports_of(module) if layer_of(d) >= here)
+    assert not upward, f"{module} (layer {here}) imports {upward} from its own layer or above"
+
+
+def test_the_import_graph_has_no_circle():
+    graph = {m: imports_of(m) for m in MODULES}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in graph.get(m, ()):
+            if state.get(d) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(d):] + [d]))
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+
+
+def test_no_function_is_over_60_lines():
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "functions over 60 lines: " + "; ".join(long)
+
+
+def test_stages_start_no_process_and_never_import_prefect():
+    """The torchrun relaunch lives in the CLI; no stage spawns its own CLI."""
+    for module, path in MODULES.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+        assert "prefect" not in names, module
+        if module.startswith("pipeline.stages"):
+            assert not names & {"subprocess", "multiprocessing"}, module
+
+
+def test_the_walk_sees_imports_at_every_depth():
+    """Not vacuous: module-level and function-level imports are both found."""
+    assert {"pipeline.resume", "pipeline.group_sampling", "pipeline.model.policy"} <= imports_of("pipeline.stages.grpo")
+    assert "pipeline.model.hf" in imports_of("pipeline.model.policy")  # imported inside Policy.__init__
