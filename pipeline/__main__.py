@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
-    from pipeline.errors import InputError
-    from pipeline.files import STORAGE_ERRNOS
+    from pipeline.errors import InputError, TrainingDivergedError
+    from pipeline.files import storage_errno
 
     # the stages' progress lines (logging.getLogger(__name__)) on stderr; other libraries stay quiet
     handler = _CurrentStderr()
@@ -98,13 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_all(cfg)
         else:
             return run_one(cfg, args.stage)
-    except (ConfigError, InputError) as exc:
+    except (ConfigError, InputError, TrainingDivergedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a write no module turned into a StorageError: still one line, not a traceback
-        if exc.errno not in STORAGE_ERRNOS:
+    except Exception as exc:  # a write no module turned into a StorageError: still one line, not a traceback
+        code = storage_errno(exc)
+        if code is None:
             raise
-        print(f"error: {exc.filename or 'a file'}: cannot write ({os.strerror(exc.errno)}); "
+        print(f"error: {getattr(exc, 'filename', None) or 'a file'}: cannot write ({os.strerror(code)}); "
               "free space or raise the limit and re-run", file=sys.stderr)
         return 2
     return 0

@@ -44,7 +44,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.errors import CheckpointError
-from pipeline.files import STORAGE_ERRNOS, ensure_dir, raise_if_storage, sha256, storage_errors
+from pipeline.files import ensure_dir, raise_if_storage, sha256, storage_errors
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.lora import adapter_state, is_lora, load_adapter_state, merged_state_dict
 from pipeline.model.policy import Policy, build_policy, param_dtype
@@ -94,15 +94,9 @@ def _atomic_folder(folder: str | Path):
             fd = os.open(folder.parent, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise_if_storage(exc, folder)
-        raise
     except Exception as exc:  # safetensors reports a full disk as SafetensorError("... (os error 28)")
         shutil.rmtree(tmp, ignore_errors=True)
-        code = next((c for c in STORAGE_ERRNOS if f"(os error {c})" in str(exc)), None)
-        if code is not None:
-            raise_if_storage(OSError(code, os.strerror(code)), folder)
+        raise_if_storage(exc, folder)
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -285,6 +279,16 @@ def _model_config(raw: Any, path: Path) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in raw.items() if k in names})
 
 
+def _check_finite(tensors, path: Path) -> None:
+    """CheckpointError if any floating-point tensor holds inf or nan or is beyond WEIGHT_LIMIT (a
+    state saved after a blow-up: sampling from it fails, so it cannot continue)."""
+    from pipeline.training import WEIGHT_LIMIT
+
+    for t in tensors:
+        if t.is_floating_point() and t.numel() and not float(t.detach().abs().amax()) <= WEIGHT_LIMIT:
+            raise CheckpointError(f"{path}: holds non-finite or exploded weights (|w| > {WEIGHT_LIMIT:g}); refused")
+
+
 def _load_gpt_weights(module: GPT, path: Path, device) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -294,6 +298,7 @@ def _load_gpt_weights(module: GPT, path: Path, device) -> None:
         state = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+    _check_finite(state.values(), path)
     try:
         missing, unexpected = module.load_state_dict(state, strict=False)
     except RuntimeError as exc:
@@ -369,6 +374,7 @@ def _load_hf_policy(folder: Path, device) -> Policy:
         module, tokenizer = load_hf(folder, param_dtype(model_cfg))  # the dtype it was trained and saved in
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{folder}: cannot load the HF model ({exc})".replace("\n", " ")) from None
+    _check_finite(module.state_dict().values(), folder)
     return Policy(module, tokenizer, model_cfg, device)
 
 

@@ -348,7 +348,7 @@ def _data_model_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("model.block_size", m.block_size >= 16, "an integer >= 16"),
         ("model.num_threads", m.num_threads >= 0, "an integer >= 0 (0 = torch's default)"),
         ("model.dropout", 0.0 <= m.dropout < 1.0, "a number in [0, 1)"),
-        ("model.device", m.device == "auto" or m.device == "cpu" or m.device.startswith("cuda"),
+        ("model.device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,
          "auto, cpu, cuda or cuda:N"),
         ("model.backend", m.backend == "gpt" or bool(m.init), "model.init set to a HF model id or folder"),
         ("data.chat_template", not d.chat_template or m.backend == "hf",

@@ -94,19 +94,31 @@ def read_rows(path: str | Path, limit: int = 0) -> list[dict[str, Any]]:
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, file size limit (ulimit -f)
 
 
-def raise_if_storage(exc: OSError, path: str | Path) -> None:
-    """Re-raise a disk-full / quota / file-size-limit OSError as one line naming `path`."""
-    if exc.errno in STORAGE_ERRNOS:
-        raise StorageError(f"{path}: cannot write ({os.strerror(exc.errno)}); the previous version, if any, "
+def storage_errno(exc: BaseException) -> int | None:
+    """The disk-full / quota / file-size-limit errno behind `exc`, or None. Rust-backed writers
+    (safetensors, tokenizers) raise their own types with "(os error N)" in the message."""
+    if isinstance(exc, OSError):
+        return exc.errno if exc.errno in STORAGE_ERRNOS else None
+    text = str(exc)
+    return next((code for code in STORAGE_ERRNOS if f"(os error {code})" in text), None)
+
+
+def raise_if_storage(exc: BaseException, path: str | Path) -> None:
+    """Re-raise a disk-full / quota / file-size-limit error as one line naming `path`."""
+    code = storage_errno(exc)
+    if code is not None:
+        raise StorageError(f"{path}: cannot write ({os.strerror(code)}); the previous version, if any, "
                            "is left intact; free space or raise the limit and re-run") from None
 
 
 @contextlib.contextmanager
 def storage_errors(path: str | Path) -> Iterator[None]:
-    """Turn a storage OSError raised inside the block into a :class:`StorageError` naming `path`."""
+    """Turn a storage error raised inside the block into a :class:`StorageError` naming `path`."""
     try:
         yield
-    except OSError as exc:
+    except StorageError:
+        raise
+    except Exception as exc:
         raise_if_storage(exc, path)
         raise
 

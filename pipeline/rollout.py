@@ -137,7 +137,9 @@ def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) 
     rest = (u - (block_cdf.gather(1, blk) - block_mass.gather(1, blk))).clamp_(min=0.0)  # mass left in the block
     rest = torch.minimum(rest, last.nextafter(torch.zeros_like(last)))
     col = torch.searchsorted(inner_cdf, rest, right=True).clamp_(max=_CDF_BLOCK - 1)
-    return (blk * _CDF_BLOCK + col).squeeze(-1)
+    # non-finite weights (logits that overflowed) would land in the padding: keep the index valid,
+    # its log-prob is then nan and the caller refuses the rollout (pipeline.stages.grpo)
+    return (blk * _CDF_BLOCK + col).squeeze(-1).clamp_(max=V - 1)
 
 
 def rollout_prompts(policy: Policy, prompts: list[str], group_size: int, max_new_tokens: int,

@@ -8,7 +8,8 @@
 - `step_if_finite` and `count_nonfinite`: the one non-finite policy of SFT and GRPO. A step whose
   loss or gradient norm is not finite (on any rank) is skipped and counted; `max_nonfinite` skipped
   steps in a row stop the stage with :class:`~pipeline.errors.TrainingDivergedError`, leaving the
-  last resume state intact.
+  last resume state intact. A step that leaves any weight non-finite or beyond WEIGHT_LIMIT stops
+  the stage at once, before the weights can be sampled from or saved.
 """
 
 from __future__ import annotations
@@ -98,14 +99,37 @@ def step_if_finite(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tens
                    loss: torch.Tensor) -> torch.Tensor | None:
     """After `loss.backward()`: clip the global gradient norm to `grad_clip` and step, unless the loss
     or the norm is non-finite on any rank; then the gradients are cleared and nothing moves.
-    Returns the (pre-clip) gradient norm, or None for a skipped step."""
+    Returns the (pre-clip) gradient norm, or None for a skipped step.
+
+    After the step the weights are checked (:func:`check_weights`): a finite gradient can still
+    blow the weights up (`lr=1e9`), and the next rollout would then sample from garbage. That raises
+    TrainingDivergedError before anything is saved, so every saved state is one that can continue."""
+    params = list(params)
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     finite = bool(torch.isfinite(loss).item()) and bool(torch.isfinite(norm).item())
     if not dist_utils.all_true(finite):
         optimizer.zero_grad(set_to_none=True)
         return None
     optimizer.step()
+    check_weights(params, optimizer)
     return norm
+
+
+WEIGHT_LIMIT = 1e5  # |w| of a trained transformer stays in the tens; 1e5 means the update exploded
+
+
+def check_weights(params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None = None) -> None:
+    """TrainingDivergedError unless every weight is finite and within +-WEIGHT_LIMIT (one host sync)."""
+    if not params:
+        return
+    largest = float(torch.stack([p.detach().abs().amax().float() for p in params]).amax().item())
+    if math.isfinite(largest) and largest <= WEIGHT_LIMIT:
+        return
+    lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+    raise TrainingDivergedError(
+        f"the update made the weights {'non-finite' if not math.isfinite(largest) else f'explode (|w| = {largest:.3g})'}"
+        f"{f' at lr = {lr:g}' if lr is not None else ''}; stopped before saving them. The last saved state is "
+        "intact; lower the stage's lr")
 
 
 def count_nonfinite(state, finite: bool, max_nonfinite: int, stage: str, where: str, resume_dir) -> None:

@@ -32,7 +32,7 @@ import torch
 from pipeline import distributed as dist_utils
 from pipeline.checkpoint import load_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig
-from pipeline.errors import InputError
+from pipeline.errors import InputError, TrainingDivergedError
 from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_accuracy
 from pipeline.group_sampling import Groups, Verifier, fitting_rows, sample_groups
@@ -159,6 +159,10 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
                            run.generator, run.rank, run.world)
     state.prompt_epoch, state.prompt_pos = groups.cursor
     ro = groups.rollout
+    if not bool(torch.isfinite(ro.logprobs.masked_fill(~ro.response_mask.bool(), 0.0)).all()):
+        raise TrainingDivergedError(f"{run.stage}: the policy's logits are not finite at iteration "
+                                    f"{state.iteration + 1} (the weights have exploded); stopped before saving. "
+                                    f"The last saved state is intact; lower {run.stage}.lr")
     # --- group-relative advantages ----------------------------------------------------------------
     adv = group_advantages(groups.rewards, G, norm=conf.adv_norm)
     # --- old and reference log-probs, without grad (responses start at ro.prompt_len) -------------
@@ -197,6 +201,7 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     train_rows, eval_rows = read_rows(paths.train), read_rows(paths.eval)[: conf.eval_samples]
     torch.manual_seed(conf.seed)
     policy = load_policy(paths.init, device=cfg.model.device)
+    check_architecture(cfg.model, policy.model_cfg, "the params", paths.init)
     dist_utils.use_device(policy.device)  # NCCL collectives need tensors on the GPU
     train_rows = fitting_rows(train_rows, policy, conf.rollout_len, paths.train, stage)
     eval_rows = fitting_rows(eval_rows, policy, conf.rollout_len, paths.eval, stage)
@@ -208,12 +213,39 @@ def setup(cfg: Config, stage: str) -> GRPORun:
         ref = AdaptersOff(policy) if conf.kl_coef > 0 else None
     else:
         ref = load_policy(paths.reference, device=policy.device).frozen_copy() if conf.kl_coef > 0 else None
+        if ref is not None:
+            check_reference(paths, policy, ref)
     if world > 1:
         policy.runner = dist_utils.wrap_ddp(policy.module)
     optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
     # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
     generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
     return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world)
+
+
+ARCH_FIELDS = ("backend", "n_layer", "n_head", "n_embd", "block_size", "positions")  # gpt: the checkpoint decides
+HF_ARCH_FIELDS = ("backend",)
+
+
+def check_architecture(expected, found, expected_from: str, checkpoint: Path) -> None:
+    """InputError naming both values when `checkpoint`'s model config disagrees with `expected`
+    (warmup and grpo continue a checkpoint: model.* cannot resize it, and the KL needs one architecture)."""
+    fields = ARCH_FIELDS if found.backend == "gpt" else HF_ARCH_FIELDS
+    for name in fields:
+        want, have = getattr(expected, name), getattr(found, name)
+        if want != have:
+            raise InputError(f"model.{name} = {want!r} in {expected_from}, but {checkpoint} was written with "
+                             f"model.{name} = {have!r}; warmup and grpo continue their checkpoint, so drop the "
+                             f"override or re-run the stage that writes {checkpoint} with it")
+
+
+def check_reference(paths: StagePaths, policy: Policy, ref: Policy) -> None:
+    """The KL reference must have the policy's architecture and vocabulary (InputError naming both)."""
+    check_architecture(policy.model_cfg, ref.model_cfg, f"{paths.init} (the policy)", paths.reference)
+    if ref.tokenizer.vocab_size != policy.tokenizer.vocab_size:
+        raise InputError(f"{paths.reference} (the KL reference) has a vocabulary of {ref.tokenizer.vocab_size} "
+                         f"tokens but {paths.init} (the policy) has {policy.tokenizer.vocab_size}; they must "
+                         "come from one prepare and SFT run")
 
 
 def compatibility_key(run: GRPORun) -> str:
