@@ -166,6 +166,9 @@ class GRPOConfig:
     """Passes over the rollout batch per iteration."""
     minibatch_groups: int = 0
     """Whole groups per minibatch; 0 = the whole batch in one step."""
+    micro_batch_size: int = 0
+    """Rows per forward/backward, gradients accumulated up to the minibatch (the same update as one pass),
+    and per old/reference log-prob pass; 0 = the whole minibatch. Bounds the memory of those passes."""
     lr: float = 5e-5
     """Peak AdamW learning rate."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -425,6 +428,7 @@ def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bo
         (f"{name}.save_every", g.save_every >= 1, "an integer >= 1"),
         (f"{name}.keep_last", g.keep_last >= 1, "an integer >= 1"),
         (f"{name}.nproc", g.nproc >= 1, "an integer >= 1"),
+        (f"{name}.micro_batch_size", g.micro_batch_size >= 0, "an integer >= 0 (0 = the whole minibatch)"),
         (f"{name}.reward", is_reward_spec(g.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
     ]
 

@@ -111,19 +111,14 @@ def all_true(flag: bool) -> bool:
     return _all_reduce_sum(t).item() == 0.0
 
 
-def loss_weight(mask: torch.Tensor, loss_agg: str) -> float:
+def loss_weight(local: float) -> float:
     """Scale of a rank's loss so that DDP's gradient mean equals the single-process gradient.
 
-    The local loss is normalised by local units (tokens for token-mean, sequences otherwise);
-    the global loss by global units. DDP averages over W ranks, so weight = W * local / global.
+    The local loss is normalised by `local` units (`pipeline.grpo.loss_units`: tokens for
+    token-mean, sequences otherwise); the global loss by the global units. DDP averages over W
+    ranks, so weight = W * local / global.
     """
     if not dist.is_initialized():
         return 1.0
-    if loss_agg == "token-mean":
-        local = float(mask.sum().item())
-    elif loss_agg == "seq-mean-token-mean":
-        local = float((mask.sum(1) > 0).sum().item())
-    else:
-        local = float(mask.shape[0])
     total = _all_reduce_sum(_scalars([local])).item()
     return dist.get_world_size() * local / max(total, 1.0)

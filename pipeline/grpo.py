@@ -72,6 +72,17 @@ def k3_kl(new_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(diff) - diff - 1.0
 
 
+def loss_units(mask: torch.Tensor, mode: LossAgg = "token-mean") -> float:
+    """What `aggregate` divides by, counted on `mask` (N, T): response tokens (token-mean), sequences
+    with tokens (seq-mean-token-mean) or sequences (Dr. GRPO). A part of a batch carries its share
+    units(part) / units(batch) of the batch's loss: micro-batches and DDP shards weight by it."""
+    if mode == "token-mean":
+        return float(mask.sum().item())
+    if mode == "seq-mean-token-mean":
+        return float((mask.sum(1) > 0).sum().item())
+    return float(mask.shape[0])
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: LossAgg = "token-mean",
               max_len: int | None = None) -> torch.Tensor:
     """Reduce an (N, T) per-token objective to a scalar (see the module docstring)."""

@@ -316,3 +316,28 @@ def test_hf_shared_prefix_decoder_equals_the_plain_decoder(kind, hf_dirs, monkey
         assert torch.equal(fast.input_ids, plain.input_ids) and fast.texts == plain.texts
         torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=0)
     assert len(set(plain.response_lengths.tolist())) > 1  # rows stopped at different steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_token_logprobs_equal_one_fp32_pass(dtype):
+    """Log-probs and gradients taken over row chunks of the logits (each cast to fp32 only while
+    used, temperature inside) equal one fp32 log_softmax over the whole (N, T, V) tensor; the
+    gradient comes back in the logits' dtype."""
+    from pipeline.model.logprobs import token_logprobs
+
+    g = gen(11)
+    logits = (torch.randn(3, 7, 50, generator=g) * 4).to(dtype).requires_grad_()
+    target = torch.randint(0, 50, (3, 7), generator=g)
+    upstream = torch.randn(3, 7, generator=g)
+    ref = logits.detach().float().requires_grad_()
+    want = (ref / 0.7).log_softmax(-1).gather(-1, target[..., None]).squeeze(-1)
+    got = token_logprobs(logits, target, 0.7, chunk_elements=120)  # 2 rows of 50 per chunk: 11 chunks
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    assert logits.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(logits.grad.float(), ref.grad, atol=tol, rtol=0)
+    x = torch.randn(5, 9, dtype=torch.float64, generator=g).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: token_logprobs(t, target[0, :5] % 9, 1.3, chunk_elements=18), (x,))

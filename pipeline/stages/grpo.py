@@ -19,8 +19,10 @@ rank and rank 0 writes the outputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ from pipeline.errors import InputError, TrainingDivergedError
 from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_accuracy
 from pipeline.group_sampling import Groups, Verifier, fitting_rows, sample_groups
-from pipeline.grpo import group_advantages, grpo_loss, informative_fraction
+from pipeline.grpo import group_advantages, grpo_loss, informative_fraction, loss_units
 from pipeline.model.lora import AdaptersOff, add_lora
 from pipeline.model.policy import Policy
 from pipeline.progress import progress_bar
@@ -273,46 +275,80 @@ class Batch:
     start: int = 1
 
 
+def micro_batches(rows: slice, size: int) -> list[slice]:
+    """`rows` cut into slices of `size` rows (0: one slice)."""
+    size = size or rows.stop - rows.start
+    return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
+
+
 def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, start: int):
-    """(old, ref) per-token log-probs under inference mode; either may be None (see `Batch`)."""
-    conf, G = run.conf, run.conf.group_size
+    """(old, ref) per-token log-probs under inference mode, `micro_batch_size` rows per pass;
+    either may be None (see `Batch`)."""
+    conf = run.conf
     single_step = conf.grpo_epochs == 1 and conf.minibatch_groups in (0, conf.prompts_per_iter // run.world)
+    group = math.gcd(conf.micro_batch_size, conf.group_size) if conf.micro_batch_size else conf.group_size
+    parts = micro_batches(slice(0, ids.shape[0]), conf.micro_batch_size)
+
+    def passes(model) -> torch.Tensor:
+        return torch.cat([model.token_logprobs(ids[sl], attn[sl], conf.temperature, start=start, group_size=group)
+                          for sl in parts])
+
     with torch.inference_mode():
         # One optimizer step per iteration: the policy has not moved since sampling, so
         # old = new.detach() exactly (TRL does the same); otherwise recompute under no grad.
-        old = None if single_step else run.policy.token_logprobs(ids, attn, conf.temperature, start=start, group_size=G)
-        ref = run.ref.token_logprobs(ids, attn, conf.temperature, start=start, group_size=G) if run.ref else None
+        old = None if single_step else passes(run.policy)
+        ref = passes(run.ref) if run.ref else None
     return old, ref
+
+
+def accumulate_gradients(policy: Policy, conf: GRPOConfig, batch: Batch, rows: slice):
+    """Forward + backward of the minibatch `rows` in micro-batches of `conf.micro_batch_size` rows.
+    Each micro-batch's loss is weighted by its share of the minibatch's normaliser (`loss_units`),
+    and, under DDP, each rank's by its share of the global one, so the accumulated gradient is that
+    of one pass over the whole minibatch on one process. Returns (loss, statistics), weighted alike.
+    A micro-batch whose size divides, or is divided by, G keeps the shared-prompt log-prob path
+    (rows in sub-groups of gcd(size, G) still share their prompt)."""
+    resp = batch.response_mask[rows]
+    total = max(loss_units(resp, conf.loss_agg), 1.0)
+    ddp = dist_utils.loss_weight(loss_units(resp, conf.loss_agg))
+    group = math.gcd(conf.micro_batch_size, conf.group_size) if conf.micro_batch_size else conf.group_size
+    parts = micro_batches(rows, conf.micro_batch_size)
+    loss_sum, stats = torch.zeros((), device=policy.device), {}
+    for i, sl in enumerate(parts):
+        new_lp = policy.token_logprobs(batch.input_ids[sl], batch.attention_mask[sl], conf.temperature,
+                                       start=batch.start, group_size=group)
+        old = new_lp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
+        ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
+        loss, st = grpo_loss(new_lp, old, ref, batch.advantages[sl], batch.response_mask[sl], clip=conf.clip,
+                             kl_coef=conf.kl_coef, clip_high=conf.clip_high or None, loss_agg=conf.loss_agg,
+                             importance=conf.importance, max_len=conf.rollout_len)
+        w = loss_units(batch.response_mask[sl], conf.loss_agg) / total
+        last = i == len(parts) - 1
+        with contextlib.nullcontext() if last or policy.runner is policy.module else policy.runner.no_sync():
+            (loss * (w * ddp)).backward()  # DDP all-reduces once, on the last micro-batch
+        loss_sum = loss_sum + loss.detach() * (w * ddp)
+        for k, v in st.items():
+            stats[k] = stats.get(k, 0.0) + v * w
+    return loss_sum, stats
 
 
 def update(policy: Policy, optimizer: torch.optim.Optimizer, conf: GRPOConfig, batch: Batch, state: TrainState,
            stage: str) -> dict[str, float]:
-    """`grpo_epochs` passes over minibatches of whole groups; non-finite steps are skipped and
-    counted (pipeline.training). Returns the mean of each loss statistic over the steps taken."""
+    """`grpo_epochs` passes over minibatches of whole groups (each in micro-batches, one optimizer
+    step per minibatch); non-finite steps are skipped and counted (pipeline.training). Returns the
+    mean of each loss statistic over the steps taken."""
     G, n = conf.group_size, batch.input_ids.shape[0]
     mb = (conf.minibatch_groups or n // G) * G
     acc: dict[str, list[torch.Tensor]] = {}
     for _ in range(conf.grpo_epochs):
         for s in range(0, n, mb):
-            sl = slice(s, s + mb)
-            new_lp = policy.token_logprobs(batch.input_ids[sl], batch.attention_mask[sl], conf.temperature,
-                                           start=batch.start, group_size=G)
-            old = new_lp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
-            ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
-            resp = batch.response_mask[sl]
-            loss, st = grpo_loss(new_lp, old, ref, batch.advantages[sl], resp, clip=conf.clip, kl_coef=conf.kl_coef,
-                                 clip_high=conf.clip_high or None, loss_agg=conf.loss_agg, importance=conf.importance,
-                                 max_len=conf.rollout_len)
-            # DDP averages gradients over ranks; weight each rank's loss by its share of the
-            # global normaliser so the update equals one process on the whole batch.
-            loss = loss * dist_utils.loss_weight(resp, conf.loss_agg)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, st = accumulate_gradients(policy, conf, batch, slice(s, min(s + mb, n)))
             norm = step_if_finite(optimizer, policy.module.parameters(), conf.grad_clip, loss)
             count_nonfinite(state, norm is not None, conf.max_nonfinite, stage, f"iteration {state.iteration + 1}",
                             Path(CHECKPOINT_DIR) / f"{stage}.resume")
             if norm is not None:
-                for k, v in {**st, "loss": loss.detach(), "grad_norm": norm}.items():
+                for k, v in {**st, "loss": loss, "grad_norm": norm}.items():
                     acc.setdefault(k, []).append(v)
     if not acc:
         return {"kl": float("nan"), "clipfrac": float("nan"), "loss": float("nan"), "grad_norm": float("nan")}
