@@ -18,8 +18,7 @@ from typing import Any
 from prefect import flow
 
 from flows.grpo_pipeline import effective_overrides, execute, local_api
-from pipeline.config import ConfigError
-from pipeline.errors import InputError
+from pipeline.cli import add_config_args, exit_status
 
 
 @flow(name="grpo-evaluate", log_prints=True)
@@ -36,18 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", dest="checkpoints", action="append", default=[],
                    help="checkpoint under checkpoints/ to evaluate (repeatable; default: evaluate.stages)")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_config_args(p)
     args = p.parse_args(argv)
-    try:
+
+    def run() -> int:
         effective_overrides(args.params, args.overrides)
         with local_api():
             result = evaluate_checkpoints(args.checkpoints or None, args.params, args.overrides)
-    except (ConfigError, InputError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result.get("metrics", [])))
-    return 0
+        print(json.dumps(result.get("metrics", [])))
+        return 0
+
+    return exit_status(run)
 
 
 if __name__ == "__main__":

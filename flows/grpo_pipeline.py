@@ -31,8 +31,8 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.experiment import exp_name, experiment_copy, save_experiment
-from pipeline.config import METRICS_DIR, PLOTS_DIR, STAGES, Config, ConfigError, load_config
-from pipeline.errors import InputError
+from pipeline.cli import add_config_args, exit_status
+from pipeline.config import METRICS_DIR, PLOTS_DIR, STAGES, Config, load_config
 from pipeline.evaluation import training_summary
 from pipeline.lock import workspace_lock
 from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run
@@ -196,21 +196,20 @@ def local_api() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.grpo_pipeline", description=__doc__.splitlines()[0])
-    p.add_argument("--params", default="params.yaml", help="params file (another file: an experiment on its values)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one param (the run becomes a DVC experiment); repeatable")
+    add_config_args(p, params_help="params file (another file: an experiment on its values)",
+                    set_help="override one param (the run becomes a DVC experiment); repeatable")
     args = p.parse_args(argv)
-    try:
+
+    def run() -> int:
         effective_overrides(args.params, args.overrides)
         with local_api():
             results = grpo_pipeline(args.params, args.overrides)
-    except (ConfigError, InputError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if results.get("experiment"):
-        print(f"experiment {results['experiment']} saved: dvc exp show; dvc exp apply {results['experiment']}")
-    print(results.get("headline", ""))
-    return 0
+        if results.get("experiment"):
+            print(f"experiment {results['experiment']} saved: dvc exp show; dvc exp apply {results['experiment']}")
+        print(results.get("headline", ""))
+        return 0
+
+    return exit_status(run)
 
 
 if __name__ == "__main__":

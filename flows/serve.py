@@ -23,7 +23,7 @@ import sys
 from prefect.deployments.runner import EntrypointType
 
 from flows.grpo_pipeline import effective_overrides, grpo_pipeline
-from pipeline.config import ConfigError
+from pipeline.cli import add_config_args, exit_status
 from pipeline.errors import InputError
 
 
@@ -46,21 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="nightly", help="deployment name (default: nightly)")
     p.add_argument("--cron", default="0 3 * * *", help='cron schedule (default: "0 3 * * *", daily 03:00)')
     p.add_argument("--timezone", default=None, help="IANA timezone of the cron (default: UTC)")
-    p.add_argument("--params", default="params.yaml", help="params file the scheduled runs use")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one param for the scheduled runs; repeatable")
+    add_config_args(p, params_help="params file the scheduled runs use",
+                    set_help="override one param for the scheduled runs; repeatable")
     p.add_argument("--paused", action="store_true", help="create the schedule paused (trigger by hand)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def check() -> int:
         effective_overrides(args.params, args.overrides)  # refuse to schedule a config that cannot run
         check_schedule(args.cron, args.timezone)
-    except (ConfigError, InputError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 0
+
+    if code := exit_status(check):
+        return code
     from prefect.schedules import Cron
 
     grpo_pipeline.serve(

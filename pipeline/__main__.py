@@ -18,9 +18,11 @@ import subprocess
 import sys
 import tempfile
 
-from pipeline.config import STAGES, ConfigError, dump_config, load_config
+from pipeline.cli import add_config_args, exit_status
+from pipeline.config import STAGES, dump_config, load_config
 
 EXTRA_COMMANDS = ("compare", "summary")
+
 
 class _CurrentStderr(logging.StreamHandler):
     """Writes to whatever `sys.stderr` is at the time, so a live progress bar (which redirects
@@ -58,56 +60,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=[*STAGES, "all", *EXTRA_COMMANDS],
                    help="stage to run ('all': every stage in order; 'compare': MLflow runs; 'summary': headline numbers)")
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one param; repeatable")
+    add_config_args(p)
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        cfg = load_config(args.params, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.params, args.overrides)
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
-    from pipeline.errors import InputError, TrainingDivergedError
-    from pipeline.files import storage_errno
-
     # the stages' progress lines (logging.getLogger(__name__)) on stderr; other libraries stay quiet
     handler = _CurrentStderr()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger("pipeline")
     root.setLevel(logging.INFO)
     root.addHandler(handler)
+    if args.stage == "compare":
+        from pipeline.tracking.compare import compare_text
 
-    try:
-        if args.stage == "compare":
-            from pipeline.tracking.compare import compare_text
+        print(compare_text(cfg))
+    elif args.stage == "summary":
+        from pipeline.summary import headline_table
 
-            print(compare_text(cfg))
-        elif args.stage == "summary":
-            from pipeline.summary import headline_table
-
-            print(headline_table())
-        elif args.stage == "all":
-            return run_all(cfg)
-        else:
-            return run_one(cfg, args.stage)
-    except (ConfigError, InputError, TrainingDivergedError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a write no module turned into a StorageError: still one line, not a traceback
-        code = storage_errno(exc)
-        if code is None:
-            raise
-        print(f"error: {getattr(exc, 'filename', None) or 'a file'}: cannot write ({os.strerror(code)}); "
-              "free space or raise the limit and re-run", file=sys.stderr)
-        return 2
+        print(headline_table())
+    elif args.stage == "all":
+        return run_all(cfg)
+    else:
+        return run_one(cfg, args.stage)
     return 0
 
 

@@ -19,7 +19,7 @@ LAYERS = [
     ["lock", "rewards.verifiers", "tokenizer", "grpo", "summary", "model.logprobs", "model.lora"],
     ["data.schema", "data.prompts", "model.gpt", "model.hf", "training", "tracking.common"],
     ["files", "data.arithmetic", "model.policy", "tracking.mlflow_backend"],
-    ["data.gsm8k", "evaluation", "rollout", "checkpoint", "tracking", "tracking.compare"],
+    ["data.gsm8k", "evaluation", "rollout", "checkpoint", "tracking", "tracking.compare", "cli"],
     ["generation", "group_sampling", "resume"],
     ["stages.prepare", "stages.sft", "stages.grpo", "stages.evaluate"],
     ["stages"],
