@@ -34,7 +34,7 @@ from flows.experiment import exp_name, experiment_copy, save_experiment
 from pipeline.cli import add_config_args, exit_status
 from pipeline.config import METRICS_DIR, PLOTS_DIR, STAGES, Config, load_config
 from pipeline.evaluation import training_summary
-from pipeline.lock import workspace_lock
+from pipeline.lock import check_free, workspace_lock
 from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run
 from tasks.stages import STAGE_TASKS
 
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         effective_overrides(args.params, args.overrides)
+        check_free()  # one line before Prefect starts, not a failed flow run's traceback
         with local_api():
             results = grpo_pipeline(args.params, args.overrides)
         if results.get("experiment"):

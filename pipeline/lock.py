@@ -64,6 +64,19 @@ def describe(holder: dict[str, Any]) -> str:
     return f"{holder.get('what', 'a run')} (pid {holder.get('pid')} on {holder.get('host')}, started {started})"
 
 
+def check_free(root: str | Path = ".") -> None:
+    """Raise :class:`WorkspaceBusyError` now if a live run holds the workspace (a cheap early check
+    for callers with a slow start; the lock itself is still taken where the work happens)."""
+    current = read_holder(root)
+    if current and not is_stale(current) and current.get("token") != os.environ.get(TOKEN_ENV):
+        raise _busy(root, current)
+
+
+def _busy(root: str | Path, holder: dict[str, Any]) -> WorkspaceBusyError:
+    return WorkspaceBusyError(f"{Path(root).resolve()}: another run is in progress here: {describe(holder)}; "
+                              f"wait for it to finish or stop it")
+
+
 def _try_create(path: Path, holder: dict[str, Any]) -> bool:
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -92,8 +105,7 @@ def workspace_lock(what: str, root: str | Path = ".") -> Iterator[dict[str, Any]
         if current is None:
             continue  # released in between: try again
         if not is_stale(current):
-            raise WorkspaceBusyError(f"{Path(root).resolve()}: another run is in progress here: {describe(current)}; "
-                                     f"wait for it to finish or stop it")
+            raise _busy(root, current)
         with contextlib.suppress(FileNotFoundError):  # a killed run's lock: clear it
             path.unlink()
     else:

@@ -244,3 +244,22 @@ def test_make_run_with_a_local_gsm8k_changes_no_tracked_file(tmp_path):
     exp = client.get_experiment_by_name("make")
     parents = client.search_runs([exp.experiment_id], "tags.`grpo.role` = 'pipeline'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+
+
+def test_flow_cli_in_a_busy_workspace_is_one_line_exit_2(tmp_path):
+    from pipeline.lock import workspace_lock
+
+    repo = copy_repo(tmp_path / "repo", git=False)
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom pipeline.lock import workspace_lock\n"
+                               "with workspace_lock('flow run nightly'):\n    print('held', flush=True); time.sleep(60)"],
+                              cwd=repo, env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = cli(repo, "flows.grpo_pipeline")
+        assert proc.returncode == 2
+        assert proc.stderr.strip().count("\n") == 0 and "flow run nightly" in proc.stderr, proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    with workspace_lock("next", repo):  # the dead holder's lock is cleared
+        pass
