@@ -181,7 +181,7 @@ def test_smoke_pipeline_logs_to_mlflow_server(tmp_path, mlflow_server):
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if r.data.tags.get("grpo.role") == "pipeline"]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    stages = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    stages = {r.data.tags["grpo.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert {"prepare", "sft", "warmup", "grpo", "evaluate"} <= set(stages)
     grpo = stages["grpo"]
     history = client.get_metric_history(grpo.info.run_id, "grpo/reward")
