@@ -199,8 +199,8 @@ class GRPOIterations:
         from pipeline.stages import grpo
 
         self.run = grpo.setup(cfg, stage)
-        self.state = grpo.TrainState(total_iters=self.run.g.iterations)
-        self.policy, self.g = self.run.policy, self.run.g
+        self.state = grpo.TrainState(total_iters=self.run.conf.iterations)
+        self.policy, self.g = self.run.policy, self.run.conf
 
     def iteration(self) -> tuple[dict, list]:
         from pipeline.rewards.verifiers import reward_for

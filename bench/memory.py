@@ -29,10 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, default_gsm8k, emit, load_avg, workdir
 
+from pipeline.config import STAGES
+
 REDUCED = ["sft.steps=20", "sft.eval_every=20", "warmup.iterations=2", "grpo.iterations=2", "warmup.eval_every=2",
            "grpo.eval_every=2", "warmup.eval_samples=16", "grpo.eval_samples=16", "evaluate.gsm8k_limit=64",
            "evaluate.arith_limit=64", "tracking.enabled=false"]
-STAGES = ("prepare", "sft", "warmup", "grpo", "evaluate")
 CHILD = """
 import json, sys, torch
 from pipeline.__main__ import main

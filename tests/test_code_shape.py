@@ -129,3 +129,38 @@ def test_the_walk_sees_imports_at_every_depth():
     """Not vacuous: module-level and function-level imports are both found."""
     assert {"pipeline.resume", "pipeline.group_sampling", "pipeline.model.policy"} <= imports_of("pipeline.stages.grpo")
     assert "pipeline.model.hf" in imports_of("pipeline.model.policy")  # imported inside Policy.__init__
+
+
+# what a stage's outputs do not depend on (dvc.yaml's header says why they are not deps)
+NOT_DEPS = ("pipeline.config", "pipeline.errors", "pipeline.progress", "pipeline.lock", "pipeline.cli",
+            "pipeline.tracking", "pipeline.summary")
+
+
+def _closure(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        for d in imports_of(m):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+@pytest.mark.parametrize("stage", ["prepare", "sft", "warmup", "grpo", "evaluate"])
+def test_dvc_deps_cover_the_code_each_stage_runs(stage):
+    """Every pipeline module a stage imports (transitively) is a dep of its DVC stage, so editing
+    it re-runs the stage; observability-only modules are left out on purpose."""
+    import yaml
+
+    deps = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["deps"]
+    code = [d.rstrip("/") for d in deps if d.startswith("pipeline")]
+    module = f"pipeline.stages.{'grpo' if stage in ('warmup', 'grpo') else stage}"
+    missing = []
+    for m in sorted(_closure(module) | {module}):
+        if m.startswith(NOT_DEPS):
+            continue
+        path = str(MODULES[m].relative_to(ROOT))
+        if not any(path == d or path.startswith(d + "/") for d in code):
+            missing.append(path)
+    assert not missing, f"dvc.yaml stage {stage} lacks deps {missing}"

@@ -138,7 +138,7 @@ def test_instruct_config_end_to_end_on_cpu(tmp_path, qwen2_dir):
     try:
         cfg = load_config(ROOT / "configs" / "instruct.yaml", overrides)
         run = setup(cfg, "grpo")
-        groups = sample_groups(run.policy, run.train_rows, (0, 0), run.g, reward_for, run.generator)
+        groups = sample_groups(run.policy, run.train_rows, (0, 0), run.conf, reward_for, run.generator)
     finally:
         os.chdir(ROOT)
     ro, tok = groups.rollout, run.policy.tokenizer

@@ -203,3 +203,23 @@ def test_bad_backend_and_missing_init_are_refused(tiny_tokenizer):
         build_policy(ModelConfig(backend="hf", init=""))
     with pytest.raises(ValueError, match="gpt, hf"):
         build_policy(dataclasses.replace(ModelConfig(), backend="jax"), tiny_tokenizer)
+
+
+def test_gpt_config_takes_its_shape_from_the_model_config():
+    """GPTConfig repeats none of ModelConfig's shape fields by hand: same names, types and defaults."""
+    import dataclasses
+    import typing
+
+    from pipeline.config import ModelConfig
+    from pipeline.model.gpt import SHAPE_FIELDS
+
+    gpt, model = GPTConfig(), ModelConfig()
+    gpt_types, model_types = typing.get_type_hints(GPTConfig), typing.get_type_hints(ModelConfig)
+    for name in SHAPE_FIELDS:
+        assert getattr(gpt, name) == getattr(model, name), name
+        assert gpt_types[name] == model_types[name] or typing.get_origin(model_types[name]) is typing.Literal, name
+    mc = dataclasses.replace(model, n_layer=3, n_embd=48, n_head=3, positions="learned", block_size=96)
+    built = GPTConfig.from_model_config(mc, vocab_size=300)
+    assert (built.n_layer, built.n_embd, built.n_head, built.positions, built.block_size, built.vocab_size) == (
+        3, 48, 3, "learned", 96, 300)
+

@@ -29,36 +29,37 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipeline.config import ModelConfig
 from pipeline.model import fastpaths
 from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
 
 
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "positions", "dropout")
+
+
 @dataclass
 class GPTConfig:
+    """The GPT's shape. The fields in `SHAPE_FIELDS` are :class:`pipeline.config.ModelConfig`'s of the
+    same names (documented there, with its defaults); the rest is fixed by the tokenizer and the
+    architecture."""
+
     vocab_size: int = 2048
     """Tokens in the vocabulary (the tokenizer's `vocab_size`)."""
-    n_layer: int = 4
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block."""
-    n_embd: int = 256
-    """Residual stream width."""
-    block_size: int = 512
-    """Maximum context length (positions)."""
-    positions: str = "rope"
-    """`rope` (rotary) or `learned` (absolute position table)."""
-    dropout: float = 0.0
-    """Dropout on attention and residual branches (active in train mode only)."""
+    n_layer: int = ModelConfig.n_layer
+    n_head: int = ModelConfig.n_head
+    n_embd: int = ModelConfig.n_embd
+    block_size: int = ModelConfig.block_size
+    positions: str = ModelConfig.positions
+    dropout: float = ModelConfig.dropout
     rope_theta: float = 10000.0
     """Rotary base frequency."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
 
     @classmethod
-    def from_model_config(cls, mc, vocab_size: int) -> GPTConfig:
-        """Build from a :class:`pipeline.config.ModelConfig` and the tokenizer's vocabulary size."""
-        return cls(vocab_size=vocab_size, n_layer=mc.n_layer, n_head=mc.n_head, n_embd=mc.n_embd,
-                   block_size=mc.block_size, positions=mc.positions, dropout=mc.dropout)
+    def from_model_config(cls, mc: ModelConfig, vocab_size: int) -> GPTConfig:
+        """The shape of `mc` with the tokenizer's vocabulary size."""
+        return cls(vocab_size=vocab_size, **{name: getattr(mc, name) for name in SHAPE_FIELDS})
 
     @property
     def head_dim(self) -> int:
