@@ -7,10 +7,12 @@ and saved to a temporary folder. Test modules import these helpers from here, ne
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -222,3 +224,114 @@ def task_runs_of(flow_run_id, expect=(), timeout: float = 60.0):
             if settled or time.monotonic() > deadline:
                 return runs
             time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------- DVC and git in a copy of the repo
+
+def sh(cwd, *args) -> str:
+    """`dvc ...` through this interpreter, or git; fails the test with the output on a non-zero exit."""
+    cmd = [sys.executable, "-m", "dvc", *args[1:]] if args[0] == "dvc" else list(args)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **GIT_ENV}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False, timeout=900)
+    assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
+    return proc.stdout
+
+
+def experiment(repo: Path, name: str) -> dict:
+    """The `data` of experiment `name` as `dvc exp show --json` lists it (params, metrics)."""
+    shown = json.loads(sh(repo, "dvc", "exp", "show", "--json"))
+    revs = [r for row in shown for e in (row.get("experiments") or []) for r in e["revs"]]
+    [mine] = [r for r in revs if r.get("name") == name]
+    return mine["data"]
+
+
+def tracked_repo(tmp_path: Path, experiment: str) -> Path:
+    """A git copy of the repo on smoke params with tracking on (the repo's own mlflow.db)."""
+    from flows.experiment import apply_overrides
+
+    repo = copy_repo(tmp_path / "repo")
+    apply_overrides(repo / "params.yaml", ["tracking.enabled=true", f"tracking.experiment={experiment}"])
+    sh(repo, "git", "commit", "-qam", "tracking on")
+    return repo
+
+
+# --------------------------------------------------------------------------- GSM8K-shaped records
+
+TEMPLATE = "Q: {question}\nA:"
+
+GOOD = [  # well-formed GSM8K records: a worked answer, thousands separators, a negative, a decimal
+    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+                 "clips in May. How many clips did Natalia sell altogether in April and May?",
+     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+               "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"},
+    {"question": "A farm has 1,000 hens and buys 234 more. How many hens?",
+     "answer": "1,000 + 234 = <<1000+234=1234>>1,234\n#### 1,234"},
+    {"question": "It is 2 degrees and drops 5. What is the temperature {in C}?",
+     "answer": "2 - 5 = <<2-5=-3>>-3\n#### -3"},
+    {"question": "Half of 7?", "answer": "7 / 2 = <<7/2=3.5>>3.5\n####3.5"},
+]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+# --------------------------------------------------------------------------- the GRPO stages' working directory
+
+def smoke_cfg(*overrides: str):
+    """configs/smoke.yaml on the GSM8K fixture, with `section.key=value` overrides."""
+    from pipeline.config import load_config
+
+    return load_config(REPO / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}", *overrides])
+
+
+def weights(folder: Path) -> dict:
+    """Every tensor of the safetensors files in `folder`."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    assert files, f"no weights in {folder}"
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def grpo_prepared(tmp_path_factory):
+    """A working directory with prepared data (smoke params) and two different random tiny policies
+    saved as the SFT and warmup checkpoints."""
+    import torch
+
+    from pipeline.checkpoint import save_policy
+    from pipeline.model.policy import build_policy
+    from pipeline.stages.prepare import run_prepare
+    from pipeline.tokenizer import load_tokenizer
+
+    work = tmp_path_factory.mktemp("train")
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        cfg = smoke_cfg()
+        run_prepare(cfg)
+        torch.manual_seed(0)
+        policy = build_policy(cfg.model, load_tokenizer(work / "data" / "tokenizer.json"))
+        save_policy(work / "checkpoints" / "sft", policy)
+        # a warmup checkpoint that differs from the reference: in the grpo stage the KL term then
+        # moves the weights on every step, whatever the rewards, so resume exactness is observable
+        torch.manual_seed(1)
+        save_policy(work / "checkpoints" / "warmup", build_policy(cfg.model, load_tokenizer(work / "data" / "tokenizer.json")))
+    finally:
+        os.chdir(cwd)
+    return work
+
+
+@pytest.fixture
+def grpo_workdir(grpo_prepared, tmp_path, monkeypatch):
+    """A private copy of the prepared directory as the working directory."""
+    dst = tmp_path / "w"
+    shutil.copytree(grpo_prepared, dst)
+    monkeypatch.chdir(dst)
+    return dst

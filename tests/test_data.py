@@ -21,29 +21,7 @@ from pipeline.data import arithmetic as ar
 from pipeline.data import gsm8k as gs
 from pipeline.data.prompts import format_number, format_prompt
 from pipeline.errors import InputError
-
-from tests.conftest import GSM8K, REPO
-
-TEMPLATE = "Q: {question}\nA:"
-
-GOOD = [
-    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many "
-                 "clips in May. How many clips did Natalia sell altogether in April and May?",
-     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-               "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"},
-    {"question": "A farm has 1,000 hens and buys 234 more. How many hens?",
-     "answer": "1,000 + 234 = <<1000+234=1234>>1,234\n#### 1,234"},
-    {"question": "It is 2 degrees and drops 5. What is the temperature {in C}?",
-     "answer": "2 - 5 = <<2-5=-3>>-3\n#### -3"},
-    {"question": "Half of 7?", "answer": "7 / 2 = <<7/2=3.5>>3.5\n####3.5"},
-]
-
-
-def write_jsonl(path: Path, records: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
+from tests.conftest import GOOD, GSM8K, REPO, TEMPLATE, write_jsonl
 
 # --------------------------------------------------------------------------- answers and rewriting
 

@@ -15,7 +15,7 @@ from pipeline.data import gsm8k as gs
 from pipeline.errors import InputError
 from pipeline.files import read_rows
 from pipeline.stages.prepare import run_prepare
-from tests.test_data import GOOD, TEMPLATE, write_jsonl
+from tests.conftest import GOOD, TEMPLATE, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 

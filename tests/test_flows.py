@@ -8,13 +8,11 @@ writes the same files as the CLI/DVC stages.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from pipeline.config import STAGES
-from tests.conftest import GSM8K, REPO, copy_repo, output_files, smoke_outputs, task_runs_of
+from tests.conftest import REPO, copy_repo, experiment, output_files, sh, smoke_outputs, task_runs_of, tracked_repo
 
 
 def settled_state(state, timeout: float = 60.0):
@@ -109,39 +107,8 @@ def logs_of(flow_run_id, task_run_ids, timeout: float = 60.0):
             time.sleep(1)
 
 
-def sh(cwd, *args) -> str:
-    """`dvc ...` through this interpreter, or git; fails the test with the output on a non-zero exit."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "dvc", *args[1:]] if args[0] == "dvc" else list(args)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False, timeout=900)
-    assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
-    return proc.stdout
-
-
-def experiment(repo: Path, name: str) -> dict:
-    """The `data` of experiment `name` as `dvc exp show --json` lists it (params, metrics)."""
-    shown = json.loads(sh(repo, "dvc", "exp", "show", "--json"))
-    revs = [r for row in shown for e in (row.get("experiments") or []) for r in e["revs"]]
-    [mine] = [r for r in revs if r.get("name") == name]
-    return mine["data"]
-
-
 def by_stage(runs) -> dict:
     return {r.name.rsplit("-", 1)[0]: r for r in runs}  # task run names are "<task>-<n>"
-
-
-def tracked_repo(tmp_path: Path, experiment: str) -> Path:
-    """A git copy of the repo on smoke params with tracking on (the repo's own mlflow.db)."""
-    from flows.experiment import apply_overrides
-
-    repo = copy_repo(tmp_path / "repo")
-    apply_overrides(repo / "params.yaml", ["tracking.enabled=true", f"tracking.experiment={experiment}"])
-    sh(repo, "git", "commit", "-qam", "tracking on")
-    return repo
 
 
 @pytest.mark.slow

@@ -14,9 +14,13 @@ import torch
 
 from pipeline.errors import CheckpointError, InputError, TrainingDivergedError
 from pipeline.training import WEIGHT_LIMIT, build_optimizer, step_if_finite
-from tests.conftest import GSM8K
+from tests.conftest import GSM8K, smoke_cfg, weights
 from tests.conftest import REPO as ROOT
-from tests.test_train import prepared, smoke_cfg, weights, workdir  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def workdir(grpo_workdir):
+    return grpo_workdir
 
 
 def _step(lr: float):

@@ -100,7 +100,7 @@ def test_served_deployment_runs_on_trigger(tmp_path, prefect_server):
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.test_flows import experiment, sh
+    from tests.conftest import experiment, sh
 
     repo = copy_repo(tmp_path / "repo")
     sh(repo, "dvc", "repro")

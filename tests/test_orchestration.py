@@ -226,7 +226,7 @@ def test_make_run_with_a_local_gsm8k_changes_no_tracked_file(tmp_path):
     and `git status --porcelain` lists no tracked file changed (so `make test` passes after it)."""
     from mlflow.tracking import MlflowClient
 
-    from tests.test_flows import GSM8K, experiment, sh, tracked_repo
+    from tests.conftest import GSM8K, experiment, sh, tracked_repo
 
     origin = tracked_repo(tmp_path / "origin", "make")
     clone = tmp_path / "clone"

@@ -19,57 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from pipeline.config import load_config
-from tests.conftest import GSM8K
+from tests.conftest import GSM8K, smoke_cfg, weights
 from tests.conftest import REPO as ROOT
 
 
-def smoke_cfg(*overrides: str):
-    return load_config(ROOT / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}", *overrides])
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """A working directory with prepared data and a random tiny policy saved as the SFT checkpoint."""
-    from pipeline.checkpoint import save_policy
-    from pipeline.model.policy import build_policy
-    from pipeline.stages.prepare import run_prepare
-    from pipeline.tokenizer import load_tokenizer
-
-    work = tmp_path_factory.mktemp("train")
-    cwd = os.getcwd()
-    os.chdir(work)
-    try:
-        cfg = smoke_cfg()
-        run_prepare(cfg)
-        torch.manual_seed(0)
-        policy = build_policy(cfg.model, load_tokenizer(work / "data" / "tokenizer.json"))
-        save_policy(work / "checkpoints" / "sft", policy)
-        # a warmup checkpoint that differs from the reference: in the grpo stage the KL term then
-        # moves the weights on every step, whatever the rewards, so resume exactness is observable
-        torch.manual_seed(1)
-        save_policy(work / "checkpoints" / "warmup", build_policy(cfg.model, load_tokenizer(work / "data" / "tokenizer.json")))
-    finally:
-        os.chdir(cwd)
-    return work
-
-
 @pytest.fixture
-def workdir(prepared, tmp_path, monkeypatch):
-    """A private copy of the prepared directory as the working directory."""
-    dst = tmp_path / "w"
-    shutil.copytree(prepared, dst)
-    monkeypatch.chdir(dst)
-    return dst
+def workdir(grpo_workdir):
+    return grpo_workdir
 
 
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    assert files, f"no weights in {folder}"
-    out = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
 
 
 def _parity_reward(source):
