@@ -111,6 +111,17 @@ def all_true(flag: bool) -> bool:
     return _all_reduce_sum(t).item() == 0.0
 
 
+def gather_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t` (same shape and dtype on every rank) from every rank, in rank order, on the CPU (e.g. each
+    rank's sampling RNG state, for a resume state that rank 0 writes)."""
+    if not dist.is_initialized():
+        return [t.cpu()]
+    local = t.to(collective_device())
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return [p.cpu() for p in parts]
+
+
 def loss_weight(local: float) -> float:
     """Scale of a rank's loss so that DDP's gradient mean equals the single-process gradient.
 

@@ -43,9 +43,14 @@ def resume_key(params: Mapping[str, Any], files: Iterable[Path]) -> str:
 
 
 def save_resume(folder: Path, step: int, key: str, state: Any, policy: Policy, optimizer: torch.optim.Optimizer,
-                generator: torch.Generator | None, keep_last: int) -> Path:
-    """Write `state` (a dataclass) with weights, optimizer and RNGs to folder/step_NNNNNN atomically."""
+                generator: torch.Generator | None, keep_last: int,
+                rank_generators: list[torch.Tensor] | None = None) -> Path:
+    """Write `state` (a dataclass) with weights, optimizer and RNGs to folder/step_NNNNNN atomically.
+    `rank_generators`: every rank's sampling generator state, in rank order (DDP: rank 0 writes
+    the state, and each rank resumes with its own generator, not rank 0's)."""
     rng = {**({"sampling": generator.get_state()} if generator is not None else {}), **capture_rng_state()}
+    if rank_generators is not None:
+        rng["sampling_by_rank"] = list(rank_generators)
     out = save_training_state(folder / f"step_{step:06d}", policy, optimizer, None, rng,
                               {"key": key, "state": dataclasses.asdict(state)})
     for old in sorted(folder.glob("step_*"))[:-keep_last]:
@@ -63,9 +68,10 @@ def _peek(candidate: Path) -> dict[str, Any] | None:
 
 
 def load_resume(folder: Path, key: str, state_type: type[State], policy: Policy, optimizer: torch.optim.Optimizer,
-                generator: torch.Generator | None) -> State | None:
+                generator: torch.Generator | None, rank: int = 0) -> State | None:
     """The newest intact state in `folder` saved under `key`, with weights, optimizer and RNGs
-    restored in place; None (nothing restored) if there is none."""
+    restored in place (the sampling generator from this `rank`'s own saved state, if saved per
+    rank); None (nothing restored) if there is none."""
     if not folder.is_dir():
         return None
     for candidate in sorted(folder.glob("step_*"), reverse=True):
@@ -80,6 +86,12 @@ def load_resume(folder: Path, key: str, state_type: type[State], policy: Policy,
             log.info("ignoring resume state %s (%s)", candidate, exc)
             continue
         sampling = rng.pop("sampling", None)
+        by_rank = rng.pop("sampling_by_rank", None)
+        if by_rank is not None:
+            if rank >= len(by_rank):
+                log.info("ignoring resume state %s (saved by %d ranks, this is rank %d)", candidate, len(by_rank), rank)
+                continue
+            sampling = by_rank[rank]
         if generator is not None and sampling is not None:
             generator.set_state(sampling)
         restore_rng_state(rng)

@@ -198,6 +198,44 @@ def test_kill_and_resume_is_bit_identical(workdir, tmp_path):
     assert _series(ref_dir / "plots" / "grpo.csv") == _series(workdir / "plots" / "grpo.csv")
 
 
+@pytest.mark.slow
+def test_ddp_kill_and_resume_is_bit_identical_per_rank(workdir, tmp_path):
+    """2 processes (gloo): SIGKILL the CLI, torchrun and both ranks mid-run, re-run: the final weights and
+    series equal an uninterrupted 2-process run's. Each rank resumes with its own sampling RNG
+    (rank 0 writes every rank's), not rank 0's."""
+    psutil = pytest.importorskip("psutil")
+    overrides = ("grpo.nproc=2", "grpo.iterations=8", "grpo.save_every=2", "grpo.eval_every=0")
+    ref_dir = tmp_path / "uninterrupted"
+    shutil.copytree(workdir, ref_dir)
+    res = _run_cli("grpo", *overrides, cwd=ref_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    cmd = [sys.executable, "-m", "pipeline", "grpo", "--params", str(ROOT / "configs" / "smoke.yaml"),
+           "--set", f"data.gsm8k_source={GSM8K}", *[x for o in overrides for x in ("--set", o)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    resume = workdir / "checkpoints" / "grpo.resume"
+    deadline = time.time() + 240
+    while time.time() < deadline and not any(resume.glob("step_000002")):
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before it could be killed: {proc.stdout.read()}")
+        time.sleep(0.05)
+    # the CLI, torchrun and both ranks (torchrun starts each rank in a session of its own)
+    tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for p in tree:
+        p.kill()
+    psutil.wait_procs(tree, timeout=30)
+    proc.wait()
+    assert not (workdir / "checkpoints" / "grpo").exists()
+    res = _run_cli("grpo", *overrides, cwd=workdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from" in res.stderr
+    a, b = weights(ref_dir / "checkpoints" / "grpo"), weights(workdir / "checkpoints" / "grpo")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert _series(ref_dir / "plots" / "grpo.csv") == _series(workdir / "plots" / "grpo.csv")
+
+
 def _series(path: Path) -> list[dict[str, str]]:
     """The CSV rows without the wall-clock column, which differs between any two runs."""
     import csv

@@ -121,7 +121,7 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
     run = setup(cfg, stage)
     conf, is_main = run.conf, run.rank == 0
     key = compatibility_key(run)
-    state = (load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator)
+    state = (load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator, run.rank)
              or TrainState(total_iters=conf.iterations))
     with stage_logger(cfg, stage, enabled=is_main) as tracker, progress_bar(enabled=is_main) as bar:
         if is_main:
@@ -143,9 +143,12 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
             if is_main and (it % conf.log_every == 0 or it == state.total_iters):
                 log_iteration(tracker, stage, state, metrics, samples, info)
             # --- save ----------------------------------------------------------------------------
-            if is_main and it % conf.save_every == 0 and it < state.total_iters:
-                save_resume(run.paths.resume, it, key, state, run.policy, run.optimizer, run.generator, conf.keep_last)
-                write_series_csv(run.paths.csv, state.series, CSV_COLUMNS)
+            if it % conf.save_every == 0 and it < state.total_iters:
+                gens = dist_utils.gather_tensors(run.generator.get_state())  # every rank's, for an exact resume
+                if is_main:
+                    save_resume(run.paths.resume, it, key, state, run.policy, run.optimizer, run.generator,
+                                conf.keep_last, rank_generators=gens)
+                    write_series_csv(run.paths.csv, state.series, CSV_COLUMNS)
         summary = finish(run, state, tracker)
     dist_utils.barrier()
     return summary
