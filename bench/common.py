@@ -78,6 +78,36 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def pair_ratios(times: dict[str, list[float]], slow: str, fast: str) -> dict[str, float]:
+    """min / median / max over the interleaved repeats of ``times[slow][i] / times[fast][i]``: each
+    ratio pairs two runs taken back to back, so load that drifts between repeats cancels out."""
+    ratios = [s / f for s, f in zip(times[slow], times[fast])]
+    return {"min": round(min(ratios), 3), "median": round(statistics.median(ratios), 3),
+            "max": round(max(ratios), 3)}
+
+
+def fmt_ratios(r: dict[str, float]) -> str:
+    return f"{r['median']:.2f}x (min {r['min']:.2f}, max {r['max']:.2f})"
+
+
+def count_aten_ops(fn: Callable[[], Any]) -> int:
+    """How many ops `fn` dispatches (``TorchDispatchMode``: the calls a Python program makes, after
+    autograd, each of which pays the fixed per-op cost; what a kernel calls inside is not counted).
+    A load-independent measure of per-step overhead."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return _Count.n
+
+
 def add_decode_workload_args(ap) -> None:
     """The decoding workload of bench/rollout.py (a model of `--layers` x `--width`, `--prompts` prompts
     of `--prompt-len` tokens, `--group` samples each, `--new-tokens` new tokens), shared by the

@@ -3,24 +3,23 @@
 Both sides run the SAME ``LlamaForCausalLM`` weights (ours through the pipeline's HF backend, so
 this compares decoding engines, not models): 8 prompts x 8 samples = 64 completions, prompts of
 64 tokens, exactly 64 new tokens (no stop tokens on either side), temperature 1, no top-k/top-p,
-alternating repeats in one process; the median time of each is reported. Also: our engine with the
-KV cache vs recomputing the whole prefix every step (fewer new tokens: recomputing is slow), and our
-engine on the from-scratch GPT of the same width/depth (``ours_gpt_tok_s``: it also shares each
-prompt's KV cache across the group instead of copying it; the HF backend now does the same for
-Llama and GPT-2), and our HF engine with the earlier per-row StaticCache decoder
-(``ours_hf_static_cache_tok_s``; ``shared_prefix_speedup`` is ours over it).
+repeats interleaved in one process. Every speed-up is a paired ratio: repeat i of one engine over
+repeat i of the other, run back to back, reported as median (min, max) over the repeats.
 
-Where the time goes (CPU, 4x256, one thread, torch.profiler over one of our rollouts): the
-weight matmuls ~49% (the same work generate() does, at M = 64 rows per step), attention ~17%,
-the rest small elementwise ops, sampling (~5%) and the HF modules' per-step Python. Our gains come
-from one prefill per distinct prompt (8 not 64), a shared-prefix decode on Llama/GPT-2 (each
-prompt's keys read once per group, only the responses' keys stored per row, no per-step mask;
-generate's DynamicCache copies and concatenates the whole cache every step), cheap sampling (one
-uniform per row) and no logits-processor/stopping-criteria machinery.
+Arms: ``ours_hf_llama`` (the fused Llama decode step, ``pipeline.model.fused_decode``),
+``hf_generate``, ``ours_gpt`` (the from-scratch GPT of the same width/depth),
+``ours_hf_module_step`` (the same shared-prefix decoder with each step through the model's own
+modules: ``fused_step_speedup``). ``--bf16``: both engines under bf16 autocast (``ratio_bf16``;
+slower than fp32 on a CPU without bf16 kernels: see the ``kernels`` of the first line).
+``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms.
 
-    .venv/bin/python bench/rollout.py [--repeats 3] [--layers 4] [--width 256]
+Also the ops dispatched per decode step of each engine (``ops_per_decode_step``: a rollout of 16
+new tokens minus one of 8, over 8; load-independent), and our engine with the KV cache vs
+recomputing the whole prefix every step.
 
-The last line printed is a JSON object with ``ours_tok_s``, ``hf_generate_tok_s`` and ``ratio``.
+    .venv/bin/python bench/rollout.py [--repeats 5] [--bf16] [--levers] [--layers 4] [--width 256]
+
+The last line printed is a JSON object (``ratio`` = generate / ours, with min/median/max).
 Nothing is downloaded: the model is built from a config with random weights.
 """
 
@@ -30,9 +29,7 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.common import add_decode_workload_args
+from bench.common import (add_decode_workload_args, alternate, count_aten_ops, fmt_ratios, load_avg,
+                          machine_line, median, pair_ratios)
 from pipeline.config import ModelConfig
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.hf import HFDecoder, HFTokenizer
@@ -96,14 +94,23 @@ def build(layers: int, width: int, heads: int):
     return hf_policy, gpt_policy, V
 
 
+def ops_per_step(make_run, n: int = 8) -> float:
+    """Ops dispatched per decode step (bench.common.count_aten_ops): a rollout of 2n new tokens minus
+    one of n, over n; the prefill and the per-rollout set-up cancel out."""
+    return (count_aten_ops(make_run(2 * n)) - count_aten_ops(make_run(n))) / n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     add_decode_workload_args(ap)
     ap.add_argument("--no-cache-new-tokens", type=int, default=8,
                     help="new tokens for the cache vs no-cache comparison (recomputing is slow)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: the 2 shared CPU cores thrash with more under load)")
+    ap.add_argument("--bf16", action="store_true", help="also both engines under bf16 autocast")
+    ap.add_argument("--levers", action="store_true",
+                    help="also the earlier engines (per-row StaticCache decoder, unpacked weights) as A/B arms")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -132,53 +139,64 @@ def main() -> None:
                 rollout_module.packed_linears = orig
         return wrapped
 
-    def hf_generate():
-        torch.manual_seed(1)
-        with torch.inference_mode():
-            out = llama.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=True,
-                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
-                                 num_return_sequences=args.group, pad_token_id=hf_policy.tokenizer.pad_id)
-        assert out.shape == (args.prompts * args.group, args.prompt_len + args.new_tokens)
+    def hf_generate(new_tokens=args.new_tokens, dtype=None):
+        def run():
+            torch.manual_seed(1)
+            with torch.inference_mode(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                out = llama.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=True,
+                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                     num_return_sequences=args.group,
+                                     pad_token_id=hf_policy.tokenizer.pad_id)
+            assert out.shape == (args.prompts * args.group, args.prompt_len + new_tokens)
+        return run
 
-    def timed(runs: dict, repeats: int, n: int, warm_up: bool = True) -> tuple[dict, dict]:
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for fn in runs.values() if warm_up else ():
-            fn()
-        for _ in range(repeats):  # alternate so drifting machine load hits every engine alike
-            for name, fn in runs.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        return {k: n / statistics.median(v) for k, v in times.items()}, times
+    def variant(make_decoder, dtype: str = "float32") -> Policy:
+        cfg = ModelConfig(backend="hf", init="bench", device="cpu", dtype=dtype)
+        pol = Policy(llama, hf_policy.tokenizer, cfg)
+        if make_decoder is not None:
+            pol.decoder = lambda max_len: _Autocasting(make_decoder(max_len), pol)
+        return pol
 
-    plain = Policy(llama, hf_policy.tokenizer, hf_policy.model_cfg)  # the per-row StaticCache decoder
-    plain.decoder = lambda max_len: _Autocasting(HFDecoder(llama, max_len, shared_prefix=False), plain)
-    tok_s, times = timed({"ours_hf_llama": ours(hf_policy), "hf_generate": hf_generate, "ours_gpt": ours(gpt_policy),
-                          "ours_hf_static_cache": ours(plain), "ours_hf_unpacked": unpacked(ours(hf_policy)),
-                          "ours_gpt_unpacked": unpacked(ours(gpt_policy))}, args.repeats, n_tokens)
+    module_step = variant(lambda max_len: HFDecoder(llama, max_len, fused=False))  # each step through the modules
+    runs = {"ours_hf_llama": ours(hf_policy), "hf_generate": hf_generate(), "ours_gpt": ours(gpt_policy),
+            "ours_hf_module_step": ours(module_step)}
+    if args.bf16:
+        runs |= {"ours_hf_bf16": ours(variant(None, "bfloat16")), "hf_generate_bf16": hf_generate(dtype=torch.bfloat16)}
+    if args.levers:
+        runs |= {"ours_hf_static_cache": ours(variant(lambda max_len: HFDecoder(llama, max_len, shared_prefix=False))),
+                 "ours_hf_unpacked": unpacked(ours(hf_policy)), "ours_gpt_unpacked": unpacked(ours(gpt_policy))}
+    print(machine_line(args.threads))
+    times = alternate(runs, args.repeats)
+    ops = {"ours_hf_llama": ops_per_step(lambda n: ours(hf_policy, n)),
+           "ours_hf_module_step": ops_per_step(lambda n: ours(module_step, n)),
+           "ours_gpt": ops_per_step(lambda n: ours(gpt_policy, n)), "hf_generate": ops_per_step(hf_generate)}
     no_cache = Policy(llama, hf_policy.tokenizer, hf_policy.model_cfg)
     no_cache.decoder = lambda max_len: NoCacheDecoder(no_cache, max_len)
-    n_short = args.prompts * args.group * args.no_cache_new_tokens
-    cache_tok_s, _ = timed({"cache": ours(hf_policy, args.no_cache_new_tokens),
-                            "no_cache": ours(no_cache, args.no_cache_new_tokens)}, 1, n_short, warm_up=False)
+    short = alternate({"cache": ours(hf_policy, args.no_cache_new_tokens),
+                       "no_cache": ours(no_cache, args.no_cache_new_tokens)}, 1, warm_up=False)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; Llama {args.layers}x{args.width}, "
-          f"vocab {V}, {args.prompts}x{args.group} completions, prompt {args.prompt_len}, new {args.new_tokens}")
-    for name, v in tok_s.items():
-        print(f"  {name:26s} {v:10.0f} tok/s  (median of {args.repeats}: "
-              + ", ".join(f"{t:.3f}s" for t in times[name]) + ")")
-    speedup = cache_tok_s["cache"] / cache_tok_s["no_cache"]
-    print(f"  ours with KV cache vs recomputing the prefix ({args.no_cache_new_tokens} new tokens, same model): "
-          f"{cache_tok_s['cache']:.0f} vs {cache_tok_s['no_cache']:.0f} tok/s = {speedup:.2f}x")
-    result = {"ours_tok_s": round(tok_s["ours_hf_llama"], 1), "hf_generate_tok_s": round(tok_s["hf_generate"], 1),
-              "ratio": round(tok_s["ours_hf_llama"] / tok_s["hf_generate"], 3),
-              "cache_tok_s": round(cache_tok_s["cache"], 1), "no_cache_tok_s": round(cache_tok_s["no_cache"], 1),
-              "cache_speedup": round(speedup, 3), "no_cache_new_tokens": args.no_cache_new_tokens,
-              "ours_gpt_tok_s": round(tok_s["ours_gpt"], 1),
-              "ours_hf_static_cache_tok_s": round(tok_s["ours_hf_static_cache"], 1),
-              "shared_prefix_speedup": round(tok_s["ours_hf_llama"] / tok_s["ours_hf_static_cache"], 3),
-              "packed_linear_speedup_hf": round(tok_s["ours_hf_llama"] / tok_s["ours_hf_unpacked"], 3),
-              "packed_linear_speedup_gpt": round(tok_s["ours_gpt"] / tok_s["ours_gpt_unpacked"], 3),
-              "ratio_unpacked": round(tok_s["ours_hf_unpacked"] / tok_s["hf_generate"], 3)}
+          f"vocab {V}, {args.prompts}x{args.group} completions, prompt {args.prompt_len}, new {args.new_tokens}; "
+          f"after the runs: load {load_avg()}")
+    for name, ts in times.items():
+        print(f"  {name:26s} {n_tokens / median(ts):10.0f} tok/s  (" + ", ".join(f"{t:.3f}s" for t in ts) + ")"
+              + (f"  {ops[name]:.0f} ops/decode step" if name in ops else ""))
+    pairs = {"ratio": ("hf_generate", "ours_hf_llama"), "ratio_gpt": ("hf_generate", "ours_gpt"),
+             "fused_step_speedup": ("ours_hf_module_step", "ours_hf_llama")}
+    if args.bf16:
+        pairs |= {"ratio_bf16": ("hf_generate_bf16", "ours_hf_bf16"), "bf16_speedup": ("ours_hf_llama", "ours_hf_bf16")}
+    if args.levers:
+        pairs |= {"shared_prefix_speedup": ("ours_hf_static_cache", "ours_hf_llama"),
+                  "packed_linear_speedup_hf": ("ours_hf_unpacked", "ours_hf_llama"),
+                  "packed_linear_speedup_gpt": ("ours_gpt_unpacked", "ours_gpt")}
+    result = {"ours_tok_s": round(n_tokens / median(times["ours_hf_llama"]), 1),
+              "hf_generate_tok_s": round(n_tokens / median(times["hf_generate"]), 1)}
+    for key, (slow, fast) in pairs.items():
+        result[key] = pair_ratios(times, slow, fast)
+        print(f"  {key:26s} {fmt_ratios(result[key])}  ({slow} / {fast}, paired over {args.repeats} repeats)")
+    speedup = short["no_cache"][0] / short["cache"][0]
+    print(f"  ours with KV cache vs recomputing the prefix ({args.no_cache_new_tokens} new tokens): {speedup:.2f}x")
+    result |= {"ops_per_decode_step": {k: round(v, 1) for k, v in ops.items()}, "cache_speedup": round(speedup, 3),
+               "no_cache_new_tokens": args.no_cache_new_tokens, "repeats": args.repeats}
     print(json.dumps(result))
 
 

@@ -16,7 +16,8 @@ PIPELINE = ROOT / "pipeline"
 LAYERS = [
     ["errors", "utils", "config", "distributed", "progress", "rewards.parsing",
      "model.attention", "model.fastpaths", "model.packed"],
-    ["lock", "rewards.verifiers", "tokenizer", "grpo", "summary", "model.logprobs", "model.lora"],
+    ["lock", "rewards.verifiers", "tokenizer", "grpo", "summary", "model.logprobs", "model.lora",
+     "model.fused_decode"],
     ["data.schema", "data.prompts", "model.gpt", "model.hf", "training", "tracking.common"],
     ["files", "data.arithmetic", "model.policy", "tracking.mlflow_backend"],
     ["data.gsm8k", "evaluation", "rollout", "checkpoint", "tracking", "tracking.compare", "cli"],

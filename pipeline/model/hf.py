@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from pipeline.model import fastpaths
+from pipeline.model import fastpaths, fused_decode
 from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
 
 
@@ -196,7 +196,9 @@ class HFDecoder:
     :func:`_shared_prefix_attention`; each of the N = B*G rows only stores its response
     keys/values, and attends to exactly the positions written so far. No per-step mask is built
     (the prompt mask is a fixed (B, 1, 1, Tp) bias), and the G copies of a prompt's keys are
-    never made.
+    never made. Llama and Qwen2 (plain linear layers) then decode through
+    :class:`pipeline.model.fused_decode.FusedLlamaStep` (`fused`; None: where supported, with the
+    fast paths on): fused q/k/v and gate/up matmuls and no module dispatch.
 
     Other models: a ``StaticCache`` where supported (``_can_compile_fullgraph``: keys/values
     preallocated for `max_len` and written in place; a ``DynamicCache`` concatenates the whole cache
@@ -205,7 +207,8 @@ class HFDecoder:
     mask of every position and is sliced per step.
     """
 
-    def __init__(self, model: nn.Module, max_len: int, shared_prefix: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, max_len: int, shared_prefix: bool | None = None,
+                 fused: bool | None = None) -> None:
         from transformers import DynamicCache, StaticCache
 
         self.model = model
@@ -225,6 +228,10 @@ class HFDecoder:
         self.key = _cache_kwarg(model)
         self.mask: torch.Tensor | None = None
         self.length = 0
+        if fused is None:
+            fused = fastpaths.enabled() and fused_decode.supported(model)
+        self.use_fused = fused and self.shared  # decode steps through fused_decode (Llama, Qwen2)
+        self.fused: fused_decode.FusedLlamaStep | None = None
 
     def _repeat_cache(self, repeats: int) -> None:
         if not self.static:
@@ -248,6 +255,9 @@ class HFDecoder:
             bias = torch.zeros(B, 1, 1, T, dtype=self.prefix[0][0].dtype, device=input_ids.device)
             self.mask = bias.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
             self.prefix_bias = self.mask.expand(-1, self.prefix[0][0].shape[1], -1, -1).contiguous()  # (B, Hkv, 1, T)
+            if self.use_fused:  # Llama/Qwen2: few, large ops per step
+                self.fused = fused_decode.FusedLlamaStep(self.model, self.prefix, self.prefix_bias, self.cache,
+                                                         B * repeats)
         else:
             if repeats > 1:
                 self._repeat_cache(repeats)
@@ -268,6 +278,9 @@ class HFDecoder:
         return out.logits[:, -1]
 
     def _shared_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            self.length += 1
+            return self.fused(tokens, positions)
         from transformers import AttentionInterface
 
         if _SHARED_PREFIX_ATTN not in AttentionInterface._global_mapping:

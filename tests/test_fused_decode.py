@@ -1,0 +1,66 @@
+"""The fused Llama/Qwen2 decode step (pipeline.model.fused_decode) against the module path it
+replaces: the same shared-prefix decoder with each step run through the model's own modules."""
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.model import fastpaths, fused_decode
+from pipeline.model.hf import HFDecoder
+from pipeline.model.policy import _Autocasting, build_policy
+from pipeline.rollout import rollout_prompts
+from tests.conftest import tiny_model_config
+
+PROMPTS = ["2+3=", "a longer prompt 17*4=", "x"]
+
+
+def _rollouts(policy, monkeypatch, **kw):
+    out, seed = {}, kw.pop("seed", None)
+    for fused in (True, False):
+        monkeypatch.setattr(policy, "decoder",
+                            lambda n, f=fused: _Autocasting(HFDecoder(policy.module, n, fused=f), policy))
+        g = None if seed is None else torch.Generator().manual_seed(seed)
+        out[fused] = rollout_prompts(policy, PROMPTS, group_size=4, max_new_tokens=14, stop_ids=[], generator=g, **kw)
+    return out[True], out[False]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_step_equals_the_module_step(kind, hf_dirs, monkeypatch):
+    """Greedy: the same tokens exactly; sampled with one seed: the same tokens and log-probs to
+    float rounding. The tiny Llama has 4 query heads over 2 key/value heads; Qwen2 has q/k/v biases."""
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
+    assert fused_decode.supported(policy.module) and HFDecoder(policy.module, 16).use_fused
+    for kw in ({"greedy": True}, {"seed": 5}, {"seed": 6, "temperature": 0.7}):
+        fast, plain = _rollouts(policy, monkeypatch, **kw)
+        assert torch.equal(fast.input_ids, plain.input_ids)
+        torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=2e-5, rtol=0)
+
+
+def test_fused_step_logits_under_bf16_autocast(hf_dirs):
+    """Under bf16 autocast each step's logits stay within bf16 rounding of the module path's."""
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"], dtype="bfloat16"))
+    ids = torch.randint(5, policy.tokenizer.vocab_size, (2, 6))
+    mask, pos = torch.ones_like(ids), torch.arange(6).expand(2, 6)
+    decs = [_Autocasting(HFDecoder(policy.module, 16, fused=f), policy) for f in (True, False)]
+    with torch.inference_mode():
+        first = [d.prefill(ids, mask, pos, 3) for d in decs]
+        tokens, p = first[1].argmax(-1), torch.full((6,), 6)
+        for _ in range(5):
+            fast, plain = (d.step(tokens, p) for d in decs)
+            torch.testing.assert_close(fast, plain, atol=0.05 * float(plain.abs().max()), rtol=0)
+            tokens, p = plain.argmax(-1), p + 1
+
+
+def test_plain_switch_and_wrapped_layers_take_the_module_path(hf_dirs):
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"]))
+    with fastpaths.plain():
+        assert not HFDecoder(policy.module, 16).use_fused
+
+    class Wrapped(nn.Linear):  # e.g. a LoRA or quantised layer: its forward is not x @ W.T
+        pass
+
+    q = policy.module.model.layers[0].self_attn.q_proj
+    policy.module.model.layers[0].self_attn.q_proj = Wrapped(q.in_features, q.out_features, bias=False)
+    assert not fused_decode.supported(policy.module)
+    gpt2 = build_policy(tiny_model_config(backend="hf", init=hf_dirs["gpt2"]))
+    assert not fused_decode.supported(gpt2.module) and not HFDecoder(gpt2.module, 16).use_fused
