@@ -36,7 +36,7 @@ from pipeline.config import METRICS_DIR, PLOTS_DIR, STAGES, Config, load_config
 from pipeline.evaluation import training_summary
 from pipeline.lock import check_free, workspace_lock
 from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run
-from tasks.stages import STAGE_TASKS
+from tasks.stages import STAGE_TASKS, changed_stages
 
 EVAL_ARTIFACT_KEY = "grpo-eval"
 TRAINING_STAGES = ("sft", "warmup", "grpo")
@@ -134,8 +134,10 @@ def run_chain(stages: Sequence[str], work: Path, cfg: Config, parent: str | None
     """Each stage task after the previous one, taking its result (the graph's edge)."""
     results: dict[str, Any] = {}
     upstream = None
+    changed = changed_stages(str(work))
     for name in stages:
-        upstream = STAGE_TASKS[name](upstream, str(work), parent, label, str(root))
+        upstream = STAGE_TASKS[name](upstream, str(work), parent, label, str(root),
+                                     sorted(changed) if changed is not None else None)
         results[name] = upstream
         if name in TRAINING_STAGES:
             publish_stage(cfg, upstream, parent)

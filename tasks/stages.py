@@ -5,7 +5,9 @@ decides whether the stage is up to date, records it in ``dvc.lock`` and fills it
 a ``dvc repro`` by hand would. The stage's output (the ``pipeline`` logger's progress lines and
 DVC's own) is relayed line by line to the task's Prefect logger, and the task returns a small dict:
 ``{"stage", "status": "ran" | "skipped" | "restored", "workdir"}``. Each task takes the previous
-stage's result as ``upstream``, so the Prefect graph is the pipeline's chain.
+stage's result as ``upstream``, so the Prefect graph is the pipeline's chain. The flow asks
+``dvc status`` once at the start (``changed``): a stage it reports up to date, with nothing run
+upstream since, is skipped without starting DVC again (a no-op run costs one DVC start, not five).
 
 Retries are declared here and only here, and only for failures that can be transient: ``prepare``
 retries a failed download and an unreachable tracking server, the other stages only the tracking
@@ -154,6 +156,20 @@ def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = No
     return {"stage": name, "status": status, "workdir": str(workdir)}
 
 
+def changed_stages(workdir: str = ".") -> set[str] | None:
+    """The stages ``dvc status`` reports as changed (one DVC start for the whole chain); None when
+    DVC cannot tell (then every task asks ``dvc repro`` itself)."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=workdir, capture_output=True,
+                          text=True, check=False)
+    try:
+        report = json.loads(proc.stdout) if proc.returncode == 0 else None
+    except ValueError:
+        return None
+    return {name.rsplit(":", 1)[-1] for name in report} if isinstance(report, dict) else None
+
+
 def stage_env(parent_run_id: str | None, run_name: str | None, root: str | None) -> dict[str, str]:
     return {PARENT_RUN_ENV: parent_run_id or "", RUN_NAME_ENV: run_name or "", FLOW_RUN_ENV: _flow_run_id() or "",
             "DVC_ROOT": root or ""}
@@ -163,7 +179,11 @@ def stage_env(parent_run_id: str | None, run_name: str | None, root: str | None)
 
 def _stage_task(name: str, retry, doc: str) -> Task:
     def run(upstream: dict[str, Any] | None = None, workdir: str = ".", parent_run_id: str | None = None,
-            run_name: str | None = None, root: str | None = None) -> dict[str, Any]:
+            run_name: str | None = None, root: str | None = None, changed: list[str] | None = None) -> dict[str, Any]:
+        if changed is not None and name not in changed and (upstream or {}).get("status", "skipped") == "skipped":
+            # DVC's `dvc status` at the start of the run said up to date, and nothing upstream has run since
+            _logger().info(f"{name}: skipped (DVC's decision: dvc status reports it up to date)")
+            return {"stage": name, "status": "skipped", "workdir": str(workdir)}
         return run_dvc_stage(name, workdir, stage_env(parent_run_id, run_name, root))
 
     run.__doc__ = doc

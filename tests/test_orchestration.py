@@ -232,7 +232,9 @@ def test_make_run_with_a_local_gsm8k_changes_no_tracked_file(tmp_path):
     clone = tmp_path / "clone"
     sh(tmp_path, "git", "clone", "-q", str(origin), str(clone))
     params = (clone / "params.yaml").read_bytes()
-    proc = subprocess.run(["make", "run", f"GSM8K={GSM8K}", f"VENV={VENV}"], cwd=clone, env=ENV,
+    # -o: use the test's venv as it is (a fresh clone's files are newer than its .installed stamp, and
+    # re-installing would point the shared venv's editable install at this temporary clone)
+    proc = subprocess.run(["make", "-o", f"{VENV}/.installed", "run", f"GSM8K={GSM8K}", f"VENV={VENV}"], cwd=clone, env=ENV,
                           capture_output=True, text=True, check=False, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     changed = [line for line in sh(clone, "git", "status", "--porcelain").splitlines() if not line.startswith("??")]
