@@ -253,7 +253,7 @@ def prepare_with_random_policy(cfg) -> None:
     from pipeline.tokenizer import load_tokenizer
 
     run_prepare(cfg)
-    tok = load_tokenizer(Path(DATA_DIR))
+    tok = load_tokenizer(Path(DATA_DIR)) if cfg.model.backend == "gpt" else None  # hf: model.init's own
     torch.manual_seed(0)
     policy = init_policy(cfg.model, tok)
     for name in ("sft", "warmup"):

@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# The GPU figures of one GRPO iteration of configs/gpu.yaml, eager and compiled, in one run on a
-# CUDA machine (it needs only torch, tokenizers, safetensors and PyYAML; nothing is downloaded):
-#     bash bench/device_check.sh      # at most about 9 minutes: the two runs' time limits
-# GSM8K: $GSM8K, else the repository's test fixture (tests/fixtures/gsm8k: enough prompts to time an
-# iteration). Prints the figures and writes each run's full output under $OUT (default .device/out).
-# `bench/grpo_iteration.py` on CUDA measures the bf16 matmul peak on the GPU and reports MFU against
-# it and against the datasheet, tokens/s and max CUDA memory; its last line is a JSON object.
-# A dry run of this script on a CPU box: DEVICE_CHECK_PARAMS=configs/smoke.yaml PYTHON=.venv/bin/python
+# The GPU check in one run on a CUDA machine, nothing downloaded, at most ~8 minutes (the time
+# limits below add up to 450 s, plus ~20 s to build the model):
+#     bash bench/device_check.sh
+# 1. the tests marked `gpu` (a GRPO iteration on CUDA) and the simulated-accelerator check;
+# 2. one GRPO iteration of configs/gpu.yaml (the 406M GPT), eager and compiled;
+# 3. configs/instruct.yaml on a random Qwen2 built on the spot (bench/tiny_instruct.py: 4 x 256,
+#    GQA 8/2, Qwen2.5's 151,936-row vocabulary, ChatML template), eager and compiled, with the
+#    memory estimate of bench/memory.py for the same model beside the measured peak.
+# Each `bench/grpo_iteration.py` run measures the bf16 matmul peak on the GPU and reports MFU
+# against it, tokens/s and max CUDA memory; its last line is a JSON object, gathered with the run's
+# name into $OUT/results.jsonl (full outputs: $OUT/<name>.txt). $OUT defaults to .device/out.
+# Needs torch, tokenizers, safetensors, PyYAML; transformers for step 3 and pytest for step 1 (a step
+# whose imports are missing is skipped with a line saying so). GSM8K: $GSM8K, else the repository's
+# test fixture (tests/fixtures/gsm8k: enough prompts to time an iteration).
+# A dry run on a CPU box (small shapes): DEVICE_CHECK_DRY=1 PYTHON=.venv/bin/python bash bench/device_check.sh
 set -uo pipefail
 out=${OUT:-$PWD/.device/out}
 mkdir -p "$out"
@@ -14,27 +21,72 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
        MLFLOW_DISABLE_TELEMETRY=true TOKENIZERS_PARALLELISM=false
 export GSM8K=${GSM8K:-$PWD/tests/fixtures/gsm8k}
 py=${PYTHON:-python3}
-params=${DEVICE_CHECK_PARAMS:-configs/gpu.yaml}
+dry=${DEVICE_CHECK_DRY:-0}
 [ -e "$GSM8K" ] || { echo "no GSM8K copy at $GSM8K: set GSM8K to a folder with train.jsonl and test.jsonl" >&2; exit 2; }
+: > "$out/results.jsonl"
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
   $py -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
           "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 } | tee "$out/env.txt"
 
-# one timed GRPO iteration setup per mode: `name limit_s args...`. The curriculum is cut to 20k rows
-# (the prepare stage's BPE training is CPU time, and the grpo stage samples GSM8K prompts only);
-# 20 validation rows, so that the 80-row fixture suffices.
+has() { $py -c "import $1" 2>/dev/null; }
+
+# `run name limit_s params args...`: one timed GRPO iteration set-up (1 warm-up + --iters timed)
 run() {
-    local name=$1 limit=$2
-    shift 2
+    local name=$1 limit=$2 params=$3
+    shift 3
     local t0=$SECONDS
-    timeout "$limit" "$py" bench/grpo_iteration.py --params "$params" --set data.arith_train_size=20000 \
-        --set data.val_size=20 \
-        --iters 3 "$@" > "$out/$name.txt" 2>&1
-    echo "== $name: exit $? after $((SECONDS - t0)) s"
-    grep -E "^(device|model|iteration|rollout|logprobs|update|total|tokens/s|MFU|the model)" "$out/$name.txt"
-    tail -n 1 "$out/$name.txt"
+    timeout "$limit" "$py" bench/grpo_iteration.py --params "$params" --set data.val_size=20 "$@" \
+        > "$out/$name.txt" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - t0)) s"
+    grep -E "^(device|model|iteration|rollout|logprobs|update|total|tokens/s|MFU)" "$out/$name.txt"
+    local last
+    last=$(tail -n 1 "$out/$name.txt")
+    case $last in
+        "{"*) echo "{\"run\": \"$name\", \"exit\": $rc, \"result\": $last}" >> "$out/results.jsonl" ;;
+        *) echo "{\"run\": \"$name\", \"exit\": $rc}" >> "$out/results.jsonl"; tail -n 5 "$out/$name.txt" ;;
+    esac
 }
-run eager 200 --set model.compile=false
-run compiled 300
+
+# --- 1. tests on the device ----------------------------------------------------------------------
+if has pytest; then
+    timeout 40 "$py" -m pytest -q -p no:cacheprovider -m "gpu or not slow" tests/test_device.py \
+        > "$out/tests.txt" 2>&1
+    echo "== tests: exit $?"; tail -n 3 "$out/tests.txt"
+else
+    echo "== tests: skipped (no pytest)"
+fi
+
+# --- 2. configs/gpu.yaml ------------------------------------------------------------------------
+if [ "$dry" = 1 ]; then
+    gpu=(configs/smoke.yaml --set model.device=auto)
+else  # the curriculum cut to 20k rows (the prepare stage's BPE is CPU time; grpo samples GSM8K only)
+    gpu=(configs/gpu.yaml --set data.arith_train_size=20000)
+fi
+run gpu_eager 120 "${gpu[@]}" --iters 2 --set model.compile=false
+run gpu_compiled 150 "${gpu[@]}" --iters 2 --set model.compile=true
+
+# --- 3. configs/instruct.yaml on a random Qwen2 -------------------------------------------------
+if has transformers; then
+    tiny=$out/tiny-qwen2
+    if [ "$dry" = 1 ]; then
+        "$py" bench/tiny_instruct.py "$tiny" --vocab 4096 > /dev/null
+        small=(--set grpo.prompts_per_iter=2 --set grpo.minibatch_groups=1 --set grpo.group_size=4
+               --set grpo.rollout_len=16 --set grpo.micro_batch_size=4)
+    else
+        "$py" bench/tiny_instruct.py "$tiny" > /dev/null
+        small=()
+    fi
+    inst=(configs/instruct.yaml --set "model.init=$tiny" --set model.device=auto "${small[@]}")
+    run instruct_eager 60 "${inst[@]}" --iters 2 --set model.compile=false
+    run instruct_compiled 80 "${inst[@]}" --iters 2 --set model.compile=true
+    "$py" bench/memory.py --estimate --params configs/instruct.yaml --hf-config "$tiny" "${small[@]}" \
+        > "$out/instruct_memory_estimate.txt" 2>&1
+    echo "== instruct memory estimate (measured peak: max_cuda_memory_gib of instruct_eager)"
+    head -n 8 "$out/instruct_memory_estimate.txt"
+else
+    echo "== instruct: skipped (no transformers)"
+fi
+echo "results: $out/results.jsonl"

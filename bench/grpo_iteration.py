@@ -227,7 +227,16 @@ def main() -> None:
           "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps, "shared_prompt": shared,
           "device": gpu_name or "cpu",
           **({"mfu_datasheet": round(rate / spec, 4), "datasheet_bf16_tflop_s": spec / 1e12} if spec else {}),
-          **({"max_cuda_memory_gib": round(max_mem / 2**30, 3)} if cuda else {}), **ab})
+          **({"max_cuda_memory_gib": round(max_mem / 2**30, 3)} if cuda else {}),
+          **({"compiled_graphs": compiled_graphs()} if cfg.model.compile else {}), **ab})
+
+
+def compiled_graphs() -> dict:
+    """torch.compile's graph and recompile counts so far (a recompile per shape shows up here)."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
+            "recompiles": int(sum(counters["recompiles"].values()))}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ evaluate.gsm8k_limit/arith_limit 64 (one full batch of 64 each), tracking off. O
 
     .venv/bin/python bench/memory.py [--params params.yaml] [--gsm8k PATH] [--set KEY=VALUE ...]
 
+``--estimate`` (the default for an hf-backend params file such as configs/instruct.yaml, whose
+model a measurement would have to download) runs nothing: it prints the estimated peak GPU memory
+of each GRPO phase for a model size (``--size``, or ``--hf-config`` a local model folder) and
+whether it fits one 80 GB / 141 GB card; see bench/memory_estimate.py for what is counted.
+
 The last line printed is a JSON object.
 """
 
@@ -29,7 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, default_gsm8k, emit, load_avg, workdir
 
-from pipeline.config import STAGES
+from memory_estimate import SIZES, report, shape_from_hf_config
+
+from pipeline.config import STAGES, load_config
 
 REDUCED = ["sft.steps=20", "sft.eval_every=20", "warmup.iterations=2", "grpo.iterations=2", "warmup.eval_every=2",
            "grpo.eval_every=2", "warmup.eval_samples=16", "grpo.eval_samples=16", "evaluate.gsm8k_limit=64",
@@ -70,7 +77,17 @@ def main() -> None:
     ap.add_argument("--gsm8k", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--full", action="store_true", help="the default iteration counts (hours on CPU)")
+    ap.add_argument("--estimate", action="store_true", help="estimate GPU memory per phase, run nothing")
+    ap.add_argument("--measure", action="store_true", help="measure even for an hf-backend params file")
+    ap.add_argument("--size", choices=sorted(SIZES), default="0.5B", help="model size to estimate (Qwen2.5 shapes)")
+    ap.add_argument("--hf-config", default=None, help="estimate for the config.json in this model folder")
+    ap.add_argument("--prompt-tokens", type=int, default=200, help="prompt length to estimate with")
     args = ap.parse_args()
+    cfg = load_config(args.params, args.overrides)
+    if args.estimate or (cfg.model.backend == "hf" and not args.measure):
+        shape = shape_from_hf_config(args.hf_config) if args.hf_config else SIZES[args.size]
+        emit(report(cfg, shape, args.prompt_tokens, args.hf_config or f"Qwen2.5-{args.size} shape"))
+        return
     overrides = [f"data.gsm8k_source={args.gsm8k or default_gsm8k()}", *([] if args.full else REDUCED),
                  *args.overrides]
     params = str(Path(args.params).resolve())
