@@ -180,6 +180,36 @@ def matmul_ceiling(shapes: list[tuple[int, int]], rows: int, repeats: int = 5, d
     return flops / secs
 
 
+def cpu_has_bf16_kernels() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 / AMX); without them a bf16
+    matmul is emulated and slower than fp32, so there is no bf16 peak to report."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class ShapePeak:
+    """The practical matmul peak over the shapes an iteration runs: each weight (out, in) at each of
+    its row counts (prefill, decode, log-prob/update passes), best FLOP/s of any one shape. Call
+    :meth:`measure` between iterations (interleaved, so it sees the same load) and read `best`:
+    the max over every call, with the shape that gave it."""
+
+    def __init__(self, dtype: str = "float32", repeats: int = 3) -> None:
+        self.dtype, self.repeats = dtype, repeats
+        self.best, self.best_shape = 0.0, None
+
+    def measure(self, shapes: list[tuple[int, int]], rows: list[int]) -> float:
+        for m in sorted(set(rows)):
+            for out_f, in_f in sorted(set(shapes)):
+                rate = 2 * m * in_f * out_f / _best_mm_seconds(m, in_f, out_f, self.repeats, self.dtype, "cpu")
+                if rate > self.best:
+                    self.best, self.best_shape = rate, (m, in_f, out_f)
+        return self.best
+
+
 @contextlib.contextmanager
 def workdir(keep: bool = False):
     """A temp working directory (cwd while inside); removed afterwards unless `keep`."""

@@ -17,8 +17,12 @@ log-prob passes):
   update    6N per trained token (forward + backward)
   attention 4*L*C*ctx per token forward (QK^T and AV; ctx = attended keys, causal: T/2 on average),
             x3 in the update
-The peak is the best fp32 ``torch.mm`` of 2048x2048 at the same thread count, measured before and
-after the iterations in the same process (the larger is used). On CUDA (``model.device`` auto or
+The peak on CPU is the best of the matmul shapes the iteration itself runs (every weight at the
+prefill's, the decode steps' and the log-prob/update passes' row counts, ``bench.common.ShapePeak``),
+at the same thread count, measured after every iteration, interleaved with them, the best over all
+(a square 2048^3 ``torch.mm`` measured once is printed beside it: it is not this model's shape and
+collapses under load). Where the CPU has bf16 matmul kernels (AVX512-BF16 / AMX) the bf16 peak of
+the same shapes is reported too. On CUDA (``model.device`` auto or
 cuda, e.g. ``--params configs/gpu.yaml``) it is the best bf16 ``torch.mm`` of 8192x8192 on the GPU
 instead, the weight-matmul ceiling is taken in bf16 there too, and the figures add MFU against the
 GPU's datasheet dense bf16 peak where known (H100/H200 SXM: 989.4 TFLOP/s) and
@@ -37,8 +41,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (GRPOIterations, alternate, default_gsm8k, emit, machine_line, matmul_ceiling, matmul_params,
-                    matmul_peak, matmul_weights, median, prepare_with_random_policy, timed, workdir)
+from common import (GRPOIterations, ShapePeak, alternate, cpu_has_bf16_kernels, default_gsm8k, emit, machine_line,
+                    matmul_ceiling, matmul_params, matmul_peak, matmul_weights, median, prepare_with_random_policy,
+                    timed, workdir)
 
 import torch
 
@@ -120,6 +125,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     # the practical matmul peak of the device the iteration runs on: fp32 2048^3 on CPU, bf16 8192^3 on CUDA
     peak_args = dict(n=8192, repeats=10, dtype="bfloat16", device=str(device)) if cuda else dict(n=2048, repeats=3)
+    # (on CPU the peak reported is ShapePeak's, over the iteration's own shapes; the square one is printed beside it)
     ceil_args = dict(dtype="bfloat16", device=str(device)) if cuda else {}
     peak0 = matmul_peak(**peak_args)
     if cuda:
@@ -142,7 +148,19 @@ def main() -> None:
             m, _ = trainer.iteration()
             metrics.append(m)
 
-        runs = {"iteration": one}
+        shape_peak = ShapePeak("float32")
+        bf16_peak = ShapePeak("bfloat16") if not cuda and cpu_has_bf16_kernels() else None
+
+        def peaks():  # between iterations: the shapes of the rollout just run, under the same load
+            ro = seen["ro"]
+            rows = [ro.input_ids.shape[0], g_cfg.prompts_per_iter * ro.prompt_len,
+                    ro.input_ids.shape[0] * (ro.input_ids.shape[1] - ro.prompt_len)]
+            for sp in (shape_peak, bf16_peak):
+                if sp is not None:
+                    sp.measure(matmul_weights(trainer.policy.module), rows)
+
+        g_cfg = trainer.g
+        runs = {"iteration": one} if cuda else {"iteration": one, "peak": peaks}
         if args.ab_full_logits:  # log-probs over every column (no `start`, no shared prompt)
             runs["full_logits"] = _twin(cfg, args.stage, lambda lp: lambda *a, start=1, group_size=1, **k: lp(*a, **k))
         if args.ab_shared_prompt:  # each row runs its own prompt (no `group_size`)
@@ -152,7 +170,8 @@ def main() -> None:
         metrics = metrics[1:]  # drop the warm-up
         ro, policy, g = seen["ro"], trainer.policy, trainer.g
     max_mem = torch.cuda.max_memory_allocated(device) if cuda else None
-    peak = max(peak0, matmul_peak(**peak_args))
+    square = max(peak0, matmul_peak(**peak_args))
+    peak = square if cuda else shape_peak.best
     shapes = matmul_weights(policy.module)
     # the same weight matmuls alone: at the decode steps' rows, and at the log-prob/update passes' rows
     ceil_decode = matmul_ceiling(shapes, ro.input_ids.shape[0], **ceil_args)
@@ -184,7 +203,12 @@ def main() -> None:
         print(f"device: {gpu_name}; matmul peak (bf16 8192^3 mm, measured): {peak / 1e12:.1f} TFLOP/s"
               + (f"; datasheet dense bf16 {spec / 1e12:.1f} TFLOP/s" if spec else ""))
     else:
-        print(f"matmul peak (fp32 2048^3 mm, {args.threads} thread(s)): {peak / 1e9:.1f} GFLOP/s")
+        m, k, n = shape_peak.best_shape
+        print(f"matmul peak (fp32, best of the iteration's own shapes, measured after each iteration, "
+              f"{args.threads} thread(s)): {peak / 1e9:.1f} GFLOP/s at ({m} x {k}) @ ({k} x {n}); "
+              f"a square 2048^3 mm: {square / 1e9:.1f} GFLOP/s")
+        print(f"bf16 peak of the same shapes: {bf16_peak.best / 1e9:.1f} GFLOP/s" if bf16_peak is not None
+              else "bf16: this CPU has no bf16 matmul kernels (emulated bf16 is slower than fp32): no bf16 peak")
     print(f"iteration: {wall:.3f}s (median of {len(times)}: " + ", ".join(f"{t:.3f}" for t in times) + ")")
     print(f"{'phase':10s} {'s':>8s} {'share':>6s} {'GFLOP':>8s} {'GFLOP/s':>8s} {'of peak':>8s}")
     for p, s in phase_s.items():
@@ -221,6 +245,9 @@ def main() -> None:
           "phase_gflop": {k: round(v / 1e9, 3) for k, v in flops.items()},
           "gflop_per_iteration": round(total_flops / 1e9, 3), "gflop_s": round(rate / 1e9, 3),
           "matmul_peak_gflop_s": round(peak / 1e9, 2), "fraction_of_peak": round(rate / peak, 4),
+          "peak_shape": None if cuda else shape_peak.best_shape, "square_2048_gflop_s": round(square / 1e9, 2),
+          **({"bf16_peak_gflop_s": round(bf16_peak.best / 1e9, 2),
+              "fraction_of_bf16_peak": round(rate / bf16_peak.best, 4)} if bf16_peak is not None else {}),
           "decode_shape_matmul_gflop_s": round(ceil_decode / 1e9, 2),
           "train_shape_matmul_gflop_s": round(ceil_train / 1e9, 2),
           "generated_tokens": gen_tokens, "tokens_per_s": round(gen_tokens / wall, 1),

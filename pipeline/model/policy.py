@@ -90,6 +90,12 @@ class Policy:
 
     # ------------------------------------------------------------------ forward
 
+    def set_compute_dtype(self, dtype: str) -> None:
+        """The autocast dtype of this run (`model.dtype`), whatever the checkpoint was trained with:
+        the compute dtype is a choice of the run, the weights keep their own dtype."""
+        self.model_cfg = dataclasses.replace(self.model_cfg, dtype=dtype)
+        self.autocast_dtype = resolve_autocast(dtype, self.device)
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()

@@ -207,6 +207,7 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     torch.manual_seed(conf.seed)
     policy = load_policy(paths.init, device=cfg.model.device)
     check_architecture(cfg.model, policy.model_cfg, "the params", paths.init)
+    policy.set_compute_dtype(cfg.model.dtype)  # model.dtype of this run (bf16 autocast), not the checkpoint's
     dist_utils.use_device(policy.device)  # NCCL collectives need tensors on the GPU
     train_rows = fitting_rows(train_rows, policy, conf.rollout_len, paths.train, stage)
     eval_rows = fitting_rows(eval_rows, policy, conf.rollout_len, paths.eval, stage)
@@ -220,6 +221,7 @@ def setup(cfg: Config, stage: str) -> GRPORun:
         ref = load_policy(paths.reference, device=policy.device).frozen_copy() if conf.kl_coef > 0 else None
         if ref is not None:
             check_reference(paths, policy, ref)
+            ref.set_compute_dtype(cfg.model.dtype)
     if world > 1:
         policy.runner = dist_utils.wrap_ddp(policy.module)
     optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
