@@ -16,11 +16,16 @@ new run first marks KILLED the RUNNING runs whose process is gone from this host
 
 Failure policy: the tracking backend is probed when a stage starts, *before* any training; an
 unreachable server raises :class:`TrackingUnavailableError` (an ``InputError``: one line, exit 2)
-naming the URI and how to turn tracking off. A failure while logging later warns once and turns
-off calls of the same kind (metrics, tables, artifacts, tags) for that stage: training is never
-lost for the sake of a metric, and a broken artifact store does not take the metrics with it.
-MLflow's own HTTP knobs bound every call: ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (default here 30 s) and
-``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (default here 2; MLflow's own retries with backoff for minutes).
+naming the URI and how to turn tracking off. Calls during training go
+through one logging thread (:class:`MlflowLogger`), so the training loop never waits on the server.
+A failure while logging warns once and turns off calls of the same kind (metrics, tables,
+artifacts, tags) for that stage: training is never lost for the sake of a metric, and a broken
+artifact store does not take the metrics with it; a server that stops answering warns once and
+turns tracking off for the stage. At the stage's end the queue is flushed for at most
+``FLUSH_TIMEOUT_S``, then given up with one warning. MLflow's own HTTP knobs bound every call:
+``MLFLOW_HTTP_REQUEST_TIMEOUT`` (default here 30 s) and ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``
+(default here 2; MLflow's own default retries with backoff for minutes). A URI that cannot work
+(an unknown scheme, a file store, an sqlite path that cannot be written) is refused at once.
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import queue
 import socket
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from pipeline.config import CHECKPOINT_DIR, Config
 from pipeline.errors import InputError
@@ -42,6 +51,7 @@ from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, TrackingUnav
                                       git_state, resolve_uri, run_name, runtime_tags, temporary_env)
 
 PROBE_TIMEOUT_S = 5.0
+FLUSH_TIMEOUT_S = 10.0  # the most a stage waits at its end for queued tracking calls
 ROLE_TAG = "grpo.role"  # "pipeline" on parents, "stage" on stage runs
 STAGE_TAG = "grpo.stage"
 WORKSPACE_TAG = "grpo.workspace"
@@ -57,8 +67,70 @@ for _knob, _value in (("MLFLOW_HTTP_REQUEST_TIMEOUT", "30"), ("MLFLOW_HTTP_REQUE
 
 def tracking_uri(cfg: Config) -> str:
     """The effective URI: ``MLFLOW_TRACKING_URI`` wins over ``tracking.uri``; relative sqlite paths
-    resolve at the repository root."""
-    return resolve_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri)
+    resolve at the repository root. A URI that cannot work is refused here, in milliseconds."""
+    return check_uri(resolve_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri))
+
+
+_DB_SCHEMES = ("postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+
+
+def _bad_uri(uri: str, why: str) -> TrackingUnavailableError:
+    return TrackingUnavailableError(
+        f"tracking.uri = {uri!r}: {why}; use http(s)://host:port or sqlite:///path/to/mlflow.db "
+        "(or run without tracking: --set tracking.enabled=false)")
+
+
+def check_uri(uri: str) -> str:
+    """`uri` if MLflow can use it; TrackingUnavailableError (one line) for an unknown scheme, a file
+    store (MLflow 3 refuses it), an http URI without a host, or an sqlite path that cannot be written
+    (under a regular file, in a folder that refuses writes): MLflow itself retries those for minutes."""
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
+    base = scheme.split("+", 1)[0]
+    if base in ("http", "https"):
+        if not urlparse(uri).hostname:
+            raise _bad_uri(uri, "no host")
+    elif base == "sqlite":
+        _check_sqlite(uri)
+    elif base not in _DB_SCHEMES:
+        why = ("a file store (MLflow 3 supports only database and server backends)" if base in ("", "file")
+               else f"unsupported scheme {scheme!r}")
+        raise _bad_uri(uri, why)
+    return uri
+
+
+def _check_sqlite(uri: str) -> None:
+    if not uri.startswith("sqlite:///"):
+        return  # sqlite:// (in memory) or a driver-specific form: left to SQLAlchemy
+    rest = uri[len("sqlite:///"):].split("?", 1)[0]  # sqlite:////abs/path -> /abs/path
+    if rest in ("", ":memory:"):
+        return
+    db = Path(rest)
+    if db.is_dir():
+        raise _bad_uri(uri, f"{db} is a folder, not a database file")
+    folder = next((p for p in db.absolute().parents if p.exists()), Path("/"))
+    if not folder.is_dir():
+        raise _bad_uri(uri, f"{folder} is a file, so {db} cannot be created under it")
+    try:
+        if db.exists():
+            with open(db, "r+b"):
+                pass
+        with tempfile.TemporaryFile(dir=folder):
+            pass  # sqlite writes a journal beside the database: the folder must take new files
+    except OSError as exc:
+        raise _bad_uri(uri, f"{db} cannot be written ({exc.strerror or exc})") from None
+
+
+_UNREACHABLE = ("Max retries exceeded", "Connection refused", "timed out", "Failed to establish",
+                "Connection aborted", "RemoteDisconnected", "Connection reset")
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """True if `exc` says the server is gone (not that one call was wrong)."""
+    import requests
+
+    if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError)):
+        return True
+    return any(s in str(exc) for s in _UNREACHABLE)
 
 
 def _unavailable(uri: str, why: str) -> TrackingUnavailableError:
@@ -227,26 +299,76 @@ def run_link(cfg: Config, parent_id: str | None, stage: str) -> str | None:
 
 class MlflowLogger:
     """:class:`pipeline.tracking.Logger` writing to one MLflow run through an explicit client
-    (no fluent global state, so concurrent Prefect task threads cannot mix runs up)."""
+    (no fluent global state, so concurrent Prefect task threads cannot mix runs up).
+
+    Every call is queued for one logging thread: the training thread never waits on the server.
+    A failing call warns once and turns off calls of its kind; a server that stops answering
+    (connection refused, timeouts) warns once and turns all of them off. :meth:`close` waits at
+    most FLUSH_TIMEOUT_S for what is queued, then gives up with one warning."""
 
     def __init__(self, client, run_id: str, uri: str):
         self.client, self.run_id, self.uri = client, run_id, uri
         self._broken: set[str] = set()
+        self._down = False  # the server stopped answering: everything is skipped
         self.last: dict[str, float] = {}  # the last value of every metric logged
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name=f"mlflow-{run_id[:8]}", daemon=True)
+        self._thread.start()
 
-    def _guard(self, what: str, fn, *args, **kwargs) -> Any:
-        """Call `fn`; if it fails, warn once and skip calls of the same kind for the rest of the stage.
-        Training never stops for tracking, and a failing artifact call does not stop the metrics."""
-        if what in self._broken:
-            return None
+    def _work(self) -> None:
+        while True:
+            what, fn, args, kwargs = self._queue.get()
+            if what == "__stop__":
+                return
+            if what == "__flush__":
+                fn()
+            else:
+                self._call(what, fn, *args, **kwargs)
+
+    def _guard(self, what: str, fn, *args, **kwargs) -> None:
+        """Queue `fn(*args, **kwargs)` for the logging thread (skipped if its kind failed before)."""
+        if not (self._down or what in self._broken):
+            self._queue.put((what, fn, args, kwargs))
+
+    def _call(self, what: str, fn, *args, **kwargs) -> None:
+        """Call `fn`; if it fails, warn once and skip calls of the same kind for the rest of the stage
+        (all calls, if the server stopped answering). Training never stops for tracking."""
+        if self._down or what in self._broken:
+            return
         try:
-            return fn(*args, **kwargs)
+            fn(*args, **kwargs)
         except Exception as exc:
-            self._broken.add(what)
             msg = " ".join(str(exc).split())[:200]
+            if _unreachable(exc):
+                self._down = True
+                print(f"warning: MLflow at {self.uri} stopped answering ({type(exc).__name__}: {msg}); "
+                      "tracking is off for the rest of this stage, training goes on", file=sys.stderr)
+                return
+            self._broken.add(what)
             print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
                   f"{what} disabled for the rest of this stage", file=sys.stderr)
-            return None
+
+    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait up to `timeout` s for the queued calls; False (one warning, the rest dropped) if not done."""
+        done = threading.Event()
+        self._queue.put(("__flush__", done.set, (), {}))
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.05):
+            if self._down or time.monotonic() > deadline:  # a dead server: nothing left worth waiting for
+                break
+        else:
+            return True
+        if not self._down:
+            print(f"warning: MLflow at {self.uri}: gave up after {timeout:g} s on {self._queue.qsize()} "
+                  "queued tracking calls; the run's last metrics may be missing", file=sys.stderr)
+        self._down = True
+        return False
+
+    def close(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """Flush (bounded by `timeout`), then stop the logging thread."""
+        if self.flush(timeout):
+            self._queue.put(("__stop__", None, (), {}))
+            self._thread.join(timeout)
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._guard("log_params", _log_params, self.client, self.run_id, params)
@@ -282,8 +404,13 @@ class MlflowLogger:
         # Appending downloads the table first, and MLflow draws a progress bar for that download on
         # stderr: one per logged iteration in the stage's output. Off unless the user asked for it.
         bar = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-        with temporary_env({bar: os.environ.get(bar) or "false"}):
-            self._guard("log_table", self.client.log_table, self.run_id, pd.DataFrame(rows), artifact)
+        log_table, frame = self.client.log_table, pd.DataFrame(rows)
+
+        def quiet_log_table() -> None:  # on the logging thread, where the download happens
+            with temporary_env({bar: os.environ.get(bar) or "false"}):
+                log_table(self.run_id, frame, artifact)
+
+        self._guard("log_table", quiet_log_table)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -329,11 +456,11 @@ def mlflow_stage_logger(cfg: Config, stage: str) -> Iterator[MlflowLogger]:
             log._guard("tag_model", tag_model_with_eval, cfg, grpo)
     except BaseException as exc:
         status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
-        with contextlib.suppress(Exception):
-            client.set_terminated(run_id, status=status)
+        log._guard("set_terminated", client.set_terminated, run_id, status=status)
+        log.close()
         raise
-    with contextlib.suppress(Exception):
-        client.set_terminated(run_id, status="FINISHED")
+    log._guard("set_terminated", client.set_terminated, run_id, status="FINISHED")
+    log.close()  # bounded: a dead server costs at most FLUSH_TIMEOUT_S here
 
 
 # --------------------------------------------------------------------------- models
@@ -361,8 +488,12 @@ def log_checkpoint(log: MlflowLogger, cfg: Config, stage: str) -> None:
         log.set_tags({"grpo.checkpoint_logged": f"false ({size:.0f} MB > tracking.log_model_max_mb)"})
         return
     log.log_artifact(folder, "checkpoint")
-    if stage == "grpo" and cfg.tracking.registered_model and "log_artifacts" not in log._broken:
-        log._guard("register_model", _register, log.client, cfg.tracking.registered_model, log.run_id, sha)
+    if stage == "grpo" and cfg.tracking.registered_model:
+        def register() -> None:  # runs on the logging thread, after the upload it depends on
+            if "log_artifacts" not in log._broken:
+                _register(log.client, cfg.tracking.registered_model, log.run_id, sha)
+
+        log._guard("register_model", register)
 
 
 def _register(client, name: str, run_id: str, sha: str) -> None:
