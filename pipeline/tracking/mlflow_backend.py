@@ -84,7 +84,7 @@ def check_uri(uri: str) -> str:
     """`uri` if MLflow can use it; TrackingUnavailableError (one line) for an unknown scheme, a file
     store (MLflow 3 refuses it), an http URI without a host, or an sqlite path that cannot be written
     (under a regular file, in a folder that refuses writes): MLflow itself retries those for minutes."""
-    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else uri.lower() if uri in _DB_SCHEMES else ""
     base = scheme.split("+", 1)[0]
     if base in ("http", "https"):
         if not urlparse(uri).hostname:
