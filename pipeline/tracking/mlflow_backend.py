@@ -339,7 +339,7 @@ class MlflowLogger:
             fn(*args, **kwargs)
         except Exception as exc:
             msg = " ".join(str(exc).split())[:200]
-            if _unreachable(exc):
+            if _unreachable(exc) or not self._answers():
                 self._down = True
                 print(f"warning: MLflow at {self.uri} stopped answering ({type(exc).__name__}: {msg}); "
                       "tracking is off for the rest of this stage, training goes on", file=sys.stderr)
@@ -347,6 +347,16 @@ class MlflowLogger:
             self._broken.add(what)
             print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
                   f"{what} disabled for the rest of this stage", file=sys.stderr)
+
+    def _answers(self) -> bool:
+        """After a failed call: does the server still answer its health check (2 s, no retries)?"""
+        if not self.uri.startswith(("http://", "https://")):
+            return True
+        try:
+            probe(self.uri, timeout=2.0)
+        except TrackingUnavailableError:
+            return False
+        return True
 
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
         """Wait up to `timeout` s for the queued calls; False (one warning, the rest dropped) if not done."""
