@@ -2,7 +2,8 @@
 # The GPU check in one run on a CUDA machine, nothing downloaded, at most ~8 minutes (the time
 # limits below add up to 450 s, plus ~20 s to build the model):
 #     bash bench/device_check.sh
-# 1. the tests marked `gpu` (a GRPO iteration on CUDA) and the simulated-accelerator check;
+# 1. the tests marked `gpu` (a GRPO iteration and a bf16 LoRA update on CUDA) with the rest of
+#    tests/test_device.py and tests/test_lora.py (the simulated-accelerator check among them);
 # 2. one GRPO iteration of configs/gpu.yaml (the 406M GPT), eager and compiled;
 # 3. configs/instruct.yaml on a random Qwen2 built on the spot (bench/tiny_instruct.py: 4 x 256,
 #    GQA 8/2, Qwen2.5's 151,936-row vocabulary, ChatML template), eager and compiled, with the
@@ -52,7 +53,7 @@ run() {
 
 # --- 1. tests on the device ----------------------------------------------------------------------
 if has pytest; then
-    timeout 40 "$py" -m pytest -q -p no:cacheprovider -m "gpu or not slow" tests/test_device.py \
+    timeout 40 "$py" -m pytest -q -p no:cacheprovider -m "gpu or not slow" tests/test_device.py tests/test_lora.py \
         > "$out/tests.txt" 2>&1
     echo "== tests: exit $?"; tail -n 3 "$out/tests.txt"
 else

@@ -178,3 +178,27 @@ def test_grpo_stage_with_lora_writes_a_merged_checkpoint(hf_dirs, tmp_path, monk
     assert set(after) == set(before)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(any(t in k for t in LORA["lora_targets"]) for k in changed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lora_bf16_update_on_cuda(hf_dirs, tmp_path):
+    """On CUDA with bf16 weights and autocast: the adapters train, the base stays, the merged export loads."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_model_config(backend="hf", init=hf_dirs["qwen2"], device="cuda", dtype="bfloat16",
+                            param_dtype="bfloat16", **LORA)
+    policy = build_policy(cfg)
+    add_lora(policy, cfg)
+    base = {k: v.clone() for k, v in policy.module.get_base_model().state_dict().items() if "lora_" not in k}
+    ids, mask = (t.cuda() for t in batch(policy.tokenizer.vocab_size))
+    opt = build_optimizer(policy.module, 5e-2, 0.0)
+    for _ in range(2):
+        loss = -policy.token_logprobs(ids, mask, start=4).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = policy.module.get_base_model().state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())
+    save_policy(tmp_path / "ckpt", policy)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").dtype == torch.bfloat16
