@@ -128,12 +128,14 @@ def test_full_pipeline_repro_experiments_diffs_and_remote(tmp_path):
     sh(repo, "git", "commit", "-qm", "baseline run")
 
     # a grpo param: only grpo and evaluate re-run
-    exp = sh(repo, "dvc", "exp", "run", "-S", "grpo.kl_coef=0.02")
+    # (on smoke params every reward is 0, so kl_coef or lr would leave grpo's outputs bit-identical and
+    # DVC would rightly skip evaluate; the iteration count changes them)
+    exp = sh(repo, "dvc", "exp", "run", "-S", "grpo.iterations=3")
     assert ran(exp) == ["grpo", "evaluate"]
     show = sh(repo, "dvc", "exp", "show", "--no-pager", "--csv").stdout
-    assert "grpo.kl_coef" in show and "0.02" in show
+    assert "grpo.iterations" in show and "metrics/train.json" in show
     metrics = sh(repo, "dvc", "metrics", "diff", "--all", "--json").stdout
-    assert "metrics/eval.json" in metrics
+    assert "metrics/eval.json" in metrics and '"grpo.iterations"' in metrics  # train.json ranks the runs
     plots_dir = tmp_path / "plots_html"
     sh(repo, "dvc", "plots", "diff", "-o", str(plots_dir))
     assert (plots_dir / "index.html").is_file()
