@@ -39,6 +39,9 @@ from pipeline.model.logprobs import gather_logprobs
 from pipeline.tokenizer import ANSWER_CLOSE
 
 
+COMPILE_BUCKET = 64  # widths a compiled forward sees are multiples of this
+
+
 def resolve_device(spec: str | torch.device | None) -> torch.device:
     """`auto`/None: CUDA if available, else CPU; otherwise the named device."""
     if spec is None or spec == "auto":
@@ -102,9 +105,27 @@ class Policy:
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_from: int = 0) -> torch.Tensor:
-        """(B, T) token ids and 0/1 mask -> (B, T - logits_from, V) next-token logits."""
+        """(B, T) token ids and 0/1 mask -> (B, T - logits_from, V) next-token logits.
+
+        Under torch.compile the width is right-padded to a multiple of ``COMPILE_BUCKET`` columns
+        (mask 0: causal attention never lets a pad change an earlier position) and `logits_from`
+        rounded down to one, so rollouts of every length reuse a few compiled shapes instead of
+        recompiling per width (the compiled graph guards on both)."""
         with self.autocast():
+            if self.model_cfg.compile and self.runner is not self.module:
+                return self._bucketed_logits(input_ids, attention_mask, logits_from)
             return self._ops.logits(self.runner, input_ids, attention_mask, logits_from)
+
+    def _bucketed_logits(self, input_ids, attention_mask, logits_from: int) -> torch.Tensor:
+        T, b = input_ids.shape[1], COMPILE_BUCKET
+        width = -(-T // b) * b
+        if self.max_len is not None and width > self.max_len:
+            width = T
+        ids = nn.functional.pad(input_ids, (0, width - T), value=self.tokenizer.pad_id)
+        mask = nn.functional.pad(attention_mask, (0, width - T), value=0)
+        start = logits_from // b * b
+        out = self._ops.logits(self.runner, ids, mask, start)  # (B, width - start, V)
+        return out[:, logits_from - start: T - start]
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
                        *, start: int = 1, group_size: int = 1) -> torch.Tensor:
