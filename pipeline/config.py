@@ -438,13 +438,19 @@ def validate(cfg: Config, source: str = "params") -> Config:
         if not ok:
             section, name = key.split(".", 1)
             value = getattr(getattr(cfg, section), name)
-            raise ConfigError(f"{source}: {key} = {value!r} is out of range; allowed: {allowed}")
+            raise ConfigError(f"{source}: {key} = {_show(value)} is out of range; allowed: {allowed}")
     return cfg
 
 
 # --------------------------------------------------------------------------- parsing
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: an error line stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 INT_LIMIT = 2**63  # integers (seeds, sizes) must fit a signed 64-bit value: numpy and torch seeds do
@@ -459,12 +465,12 @@ def _number(value: Any, tp: type, key: str, source: str) -> Any:
             return value
     if tp is float and isinstance(value, int):
         if abs(value) >= 2**1023:
-            raise ConfigError(f"{source}: {key} = {value!r} is out of range; expected a finite number")
+            raise ConfigError(f"{source}: {key} = {_show(value)} is out of range; expected a finite number")
         value = float(value)
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{source}: {key} = {value!r} is not allowed; expected a finite number")
+        raise ConfigError(f"{source}: {key} = {_show(value)} is not allowed; expected a finite number")
     if isinstance(value, int) and not -INT_LIMIT <= value < INT_LIMIT:
-        raise ConfigError(f"{source}: {key} = {value} is out of range; expected an integer in [-2**63, 2**63)")
+        raise ConfigError(f"{source}: {key} = {_show(value)} is out of range; expected an integer in [-2**63, 2**63)")
     return value
 
 
@@ -476,13 +482,13 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if value not in allowed:
             close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{source}: {key} = {value!r} is not allowed{hint}; allowed: "
+            raise ConfigError(f"{source}: {key} = {_show(value)} is not allowed{hint}; allowed: "
                               + ", ".join(map(str, allowed)))
         return value
     if origin in (list, typing.List):
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{source}: {key} = {value!r} has the wrong type; expected a list")
+            raise ConfigError(f"{source}: {key} = {_show(value)} has the wrong type; expected a list")
         return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -492,9 +498,9 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     if tp in (int, float) and not isinstance(value, bool):
         value = _number(value, tp, key, source)
     if isinstance(value, bool) and tp is not bool:
-        raise ConfigError(f"{source}: {key} = {value!r} has the wrong type; expected {_TYPE_NAMES[tp]}")
+        raise ConfigError(f"{source}: {key} = {_show(value)} has the wrong type; expected {_TYPE_NAMES[tp]}")
     if not isinstance(value, tp):
-        raise ConfigError(f"{source}: {key} = {value!r} has the wrong type; expected {_TYPE_NAMES.get(tp, tp)}")
+        raise ConfigError(f"{source}: {key} = {_show(value)} has the wrong type; expected {_TYPE_NAMES.get(tp, tp)}")
     return value
 
 
@@ -550,7 +556,16 @@ MAX_PARAMS_BYTES = 1 << 20  # a params file is a few kB; anything this large is 
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)
+    and aliases (`*name`): a params file has no use for them, and nested aliases expand
+    exponentially (a few lines that take the machine down when printed in an error)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(f"{self.name}:{event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                              "allowed in a params file; write the value out")
+        return super().compose_node(parent, index)
 
 
 def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:

@@ -102,3 +102,20 @@ def test_cli_says_one_line_and_exits_2(tmp_path, args, needle):
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
     assert needle in res.stderr
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    """Nested aliases expand exponentially: 4 lines of 20 became a 1 MB error line, a few more hang."""
+    p = tmp_path / "lol.yaml"
+    p.write_text("tracking:\n  experiment: &l0 [x, x, x, x]\n  uri: &l1 [*l0, *l0, *l0, *l0]\n"
+                 "data:\n  prompt_template: [*l1, *l1, *l1, *l1]\n")
+    with pytest.raises(ConfigError, match=r"lol.yaml:3: YAML aliases \(\*l0\) are not allowed"):
+        load_config(p)
+
+
+def test_a_huge_wrong_value_gives_a_short_line(tmp_path):
+    p = tmp_path / "big.yaml"
+    p.write_text("data:\n  prompt_template: [" + ", ".join(["word"] * 100_000) + "]\n")
+    with pytest.raises(ConfigError, match=r"data.prompt_template = \['word', .*\.\.\. has the wrong type") as info:
+        load_config(p)
+    assert len(str(info.value)) < 300

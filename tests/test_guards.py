@@ -65,6 +65,7 @@ def test_lr_1e9_stops_with_one_line_and_saves_nothing_blown_up(workdir):
     _resume_states_are_sane(workdir / "checkpoints" / "grpo.resume")
 
 
+@pytest.mark.slow
 def test_cli_lr_1e9_is_one_line_exit_2_and_a_rerun_can_continue(workdir):
     def cli(*sets):
         args = [sys.executable, "-m", "pipeline", "grpo", "--params", str(ROOT / "configs" / "smoke.yaml"),
