@@ -45,7 +45,8 @@ def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scal
     sr = (q @ k.transpose(-1, -2)) * scale  # (N, Hkv, r, t)
     if key_mask is not None:
         sr = sr.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    att = torch.cat([sp, sr], dim=-1).float().softmax(-1).to(v.dtype)  # (N, Hkv, r, Tp + t)
+    att = torch.cat([sp, sr], dim=-1)  # (N, Hkv, r, Tp + t)
+    att = att.softmax(-1) if att.dtype == torch.float32 else att.float().softmax(-1).to(v.dtype)
     ap, ar = att.split([Tp, t], dim=-1)
     yp = ap.reshape(B, G, Hkv, r, Tp).transpose(1, 2).reshape(B, Hkv, G * r, Tp) @ vp  # (B, Hkv, G*r, D)
     y = yp.view(B, Hkv, G, r, D).transpose(1, 2).reshape(N, Hkv, r, D) + ar @ v  # (N, Hkv, r, D)

@@ -81,10 +81,11 @@ def _fused(modules: list[nn.Linear], rows: int) -> _Linear:
 
 
 def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """transformers' Llama RMSNorm: fp32 statistics, the weight applied in the input dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
+    """transformers' Llama RMSNorm (fp32 statistics, the weight applied in the input dtype) as one
+    ``F.rms_norm`` in fp32 instead of its six elementwise ops."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
 
 
 class _Layer:
