@@ -130,3 +130,12 @@ def test_a_failing_kind_stops_only_that_kind(capsys):
     log.close()
     err = capsys.readouterr().err
     assert err.count("warning: MLflow log_table failed") == 1 and client.calls == [["a"]]
+
+
+@pytest.mark.timeout(120)
+def test_closing_the_pipeline_run_on_a_dead_server_is_one_warning(capsys):
+    from pipeline.tracking import end_pipeline_run
+
+    end_pipeline_run(make_cfg("http://127.0.0.1:1"), "0123456789abcdef", "FINISHED")  # nothing listens on port 1
+    err = capsys.readouterr().err
+    assert err.count("warning: MLflow") == 1 and "could not close the pipeline run 0123456789abcdef" in err

@@ -258,10 +258,21 @@ def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str
 
 def end_pipeline_run(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
     """Copy the stage runs' final metrics (namespaced by stage, so they never clash) onto the parent,
-    then mark it FINISHED / FAILED / KILLED."""
+    then mark it FINISHED / FAILED / KILLED. A server gone by now is one warning, not a traceback
+    after the work is done (the next run marks the parent KILLED: its process is gone)."""
+    uri = tracking_uri(cfg)
+    try:
+        probe(uri)
+        _end_pipeline_run(client_for(uri), run_id, status)
+    except Exception as exc:
+        msg = " ".join(str(exc).split())[:200]
+        print(f"warning: MLflow at {uri}: could not close the pipeline run {run_id} ({type(exc).__name__}: "
+              f"{msg}); the stages' own runs hold their metrics", file=sys.stderr)
+
+
+def _end_pipeline_run(client, run_id: str, status: str) -> None:
     from mlflow.entities import Metric
 
-    client = client_for(tracking_uri(cfg))
     parent = client.get_run(run_id)
     children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
                                   order_by=["attributes.start_time ASC"])
