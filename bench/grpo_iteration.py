@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--gsm8k", default=None, help="local GSM8K copy (default: the shared one)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: the 2 shared CPU cores thrash with more under load)")
+                    help="torch threads (1: on a small CPU shared with other jobs more threads thrash)")
     ap.add_argument("--iters", type=int, default=1, help="timed iterations after one warm-up iteration")
     ap.add_argument("--stage", default="grpo", choices=["grpo", "warmup"])
     ap.add_argument("--ab-full-logits", action="store_true",

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--no-cache-new-tokens", type=int, default=8,
                     help="new tokens for the cache vs no-cache comparison (recomputing is slow)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: the 2 shared CPU cores thrash with more under load)")
+                    help="torch threads (1: on a small CPU shared with other jobs more threads thrash)")
     ap.add_argument("--bf16", action="store_true", help="also both engines under bf16 autocast")
     ap.add_argument("--levers", action="store_true",
                     help="also the earlier engines (per-row StaticCache decoder, unpacked weights) as A/B arms")

@@ -28,7 +28,7 @@ def blocker(tmp_path):
 @pytest.mark.parametrize("uri,pattern", [
     ("foo://x", r"unsupported scheme 'foo'"),
     ("file://", r"a file store"),
-    ("file:///tmp/mlruns", r"a file store"),
+    ("file:///srv/mlruns", r"a file store"),
     ("./mlruns", r"a file store"),
     ("http://", r"no host"),
     ("sqlite:///{tmp}/afile/mlflow.db", r"afile is a file, so .*mlflow.db cannot be created under it"),

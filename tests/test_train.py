@@ -220,7 +220,7 @@ def test_ddp_kill_and_resume_is_bit_identical_per_rank(workdir, tmp_path):
         if proc.poll() is not None:
             pytest.fail(f"run ended before it could be killed: {proc.stdout.read()}")
         time.sleep(0.05)
-    # the CLI, torchrun and both ranks (torchrun starts each rank in a session of its own)
+    # the CLI, torchrun and both ranks (torchrun's ranks run outside the CLI's process group)
     tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
     for p in tree:
         p.kill()
