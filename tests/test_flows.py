@@ -180,12 +180,12 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
 
 @pytest.mark.slow
 def test_smoke_pipeline_through_flow(tmp_path, harness, monkeypatch):
-    """The real smoke pipeline through the flow, no git needed: one task run per stage, the
-    artifact, the same file set as `dvc repro`."""
+    """The real smoke pipeline through the flow (its tasks run DVC stages, so in a git copy): one
+    task run per stage, the artifact, the same file set as `dvc repro`."""
     from flows.experiment import apply_overrides
     from flows.grpo_pipeline import grpo_pipeline
 
-    flow_dir = copy_repo(tmp_path / "flow", git=False)
+    flow_dir = copy_repo(tmp_path / "flow")
     apply_overrides(flow_dir / "params.yaml", ["tracking.enabled=true"])
     monkeypatch.chdir(flow_dir)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
