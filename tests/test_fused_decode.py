@@ -64,3 +64,21 @@ def test_plain_switch_and_wrapped_layers_take_the_module_path(hf_dirs):
     assert not fused_decode.supported(policy.module)
     gpt2 = build_policy(tiny_model_config(backend="hf", init=hf_dirs["gpt2"]))
     assert not fused_decode.supported(gpt2.module) and not HFDecoder(gpt2.module, 16).use_fused
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_fused_gpt_step_equals_the_module_step(positions, tiny_tokenizer, monkeypatch):
+    """The from-scratch GPT's fused step against its own forward over the same shared-prefix cache."""
+    torch.manual_seed(0)
+    policy = build_policy(tiny_model_config(positions=positions), tiny_tokenizer)
+    assert fused_decode.gpt_supported(policy.module)
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fused_decode, "gpt_supported", lambda m, f=fused: f)
+        for kw in ({"greedy": True}, {"generator": torch.Generator().manual_seed(4)}):
+            out[fused, "greedy" in kw] = rollout_prompts(policy, PROMPTS, group_size=4, max_new_tokens=14,
+                                                         stop_ids=[], **kw)
+    for greedy in (True, False):
+        fast, plain = out[True, greedy], out[False, greedy]
+        assert torch.equal(fast.input_ids, plain.input_ids)
+        torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=2e-5, rtol=0)

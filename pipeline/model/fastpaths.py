@@ -10,8 +10,8 @@ path everywhere, so one equivalence test can run the same work both ways
   (the same distribution, other draws);
 - decoding G samples per prompt: the prompt's keys read once per group instead of G copies
   (both backends' decoders), and a transformers ``StaticCache`` where the model supports one;
-- HF Llama/Qwen2 decode steps: one flat function with fused q/k/v and gate/up weights instead
-  of the model's modules (``pipeline.model.fused_decode``);
+- decode steps of HF Llama/Qwen2 and of the from-scratch GPT: one flat function with fused q/k/v
+  and gate/up weights instead of the model's modules (``pipeline.model.fused_decode``);
 - GRPO log-prob passes: each group's shared prompt run once (``Policy.token_logprobs``);
 - log p(target): a fused backward instead of autograd's graph of log-softmax and gather.
 """

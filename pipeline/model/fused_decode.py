@@ -1,4 +1,5 @@
-"""A decode step of a Llama-family transformers model (Llama, Qwen2) in few, large ops.
+"""A decode step of a Llama-family transformers model (Llama, Qwen2), or of the from-scratch GPT,
+in few, large ops.
 
 The shared-prefix decoder of ``pipeline.model.hf`` runs each decode step through the model's own
 modules: three q/k/v and two gate/up matmuls per layer, rotary applied to q and k separately, a
@@ -81,11 +82,12 @@ def _fused(modules: list[nn.Linear], rows: int) -> _Linear:
 
 
 def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """transformers' Llama RMSNorm (fp32 statistics, the weight applied in the input dtype) as one
-    ``F.rms_norm`` in fp32 instead of its six elementwise ops."""
+    """RMSNorm with fp32 statistics (transformers' Llama RMSNorm, the GPT's own) as one
+    ``F.rms_norm`` in fp32 instead of six elementwise ops; the weight applied in the input dtype."""
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class _Layer:
@@ -97,6 +99,23 @@ class _Layer:
         self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], rows)
         self.down = _Linear(mlp.down_proj.weight, mlp.down_proj.bias, rows)
         self.act, self.hidden, self.scale = mlp.act_fn, mlp.gate_proj.out_features, att.scaling
+
+
+class _GPTLayer:
+    def __init__(self, block: nn.Module, rows: int) -> None:
+        att, mlp = block.attn, block.mlp
+        self.ln_1, self.ln_2 = block.ln_1, block.ln_2
+        self.qkv = _Linear(att.c_attn.weight, None, rows)  # already fused: [q; k; v]
+        self.o = _Linear(att.c_proj.weight, None, rows)
+        self.gate_up = _Linear(mlp.c_fc.weight, None, rows)  # already fused: [gate; up]
+        self.down = _Linear(mlp.c_proj.weight, None, rows)
+        self.act, self.hidden, self.scale = F.silu, mlp.hidden, att.head_dim ** -0.5
+
+
+def gpt_supported(model: nn.Module) -> bool:
+    """Whether the from-scratch GPT's layers are all plain (no LoRA or other wrappers)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return bool(linears) and all(type(m) is nn.Linear for m in linears)
 
 
 class FusedLlamaStep:
@@ -119,6 +138,7 @@ class FusedLlamaStep:
         half = self.D // 2
         self.cos = cos[0]
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        self.wpe, self.key_mask = None, None
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (N, h, D): ``x * cos + rotate_half(x) * sin`` with rotate_half as a flip of the halves."""
@@ -130,18 +150,45 @@ class FusedLlamaStep:
         N, H, Hkv, D = tokens.shape[0], self.H, self.Hkv, self.D
         t = self.cache.length
         x = F.embedding(tokens, self.embed)  # (N, C)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (N, 1, D)
+        if self.wpe is not None:  # learned absolute positions (the GPT's `positions: learned`)
+            x = x + F.embedding(positions, self.wpe)
+        rope = None if self.cos is None else (self.cos[positions][:, None], self.sin[positions][:, None])  # (N, 1, D)
+        if self.key_mask is not None:
+            self.key_mask[:, t] = True
         for i, L in enumerate(self.layers):
             qkv = L.qkv(_rms(x, L.ln_1)).view(N, H + 2 * Hkv, D)  # (N, H + 2 Hkv, D)
-            qk = self._rope(qkv[:, : H + Hkv], cos, sin)  # q and k rotated together
+            qk = qkv[:, : H + Hkv] if rope is None else self._rope(qkv[:, : H + Hkv], *rope)  # q, k together
             k_all, v_all = self.cache.k[i], self.cache.v[i]  # (N, Hkv, max_new, D)
             k_all[:, :, t] = qk[:, H:]
             v_all[:, :, t] = qkv[:, H + Hkv:]
             kp_t, vp = self.prefix[i]
             y = grouped_prefix_attention(qk[:, :H, None], kp_t, vp, k_all[:, :, : t + 1], v_all[:, :, : t + 1],
                                          self.prefix_bias, scale=L.scale)  # (N, H, 1, D)
-            x = x + L.o(y.view(N, H * D))
+            x = x + L.o(y.reshape(N, H * D))
             gate, up = L.gate_up(_rms(x, L.ln_2)).split(L.hidden, dim=-1)  # (N, 4C) each
             x = x + L.down(L.act(gate) * up)
         self.cache.length += 1
         return self.head(_rms(x, self.norm))  # (N, V)
+
+
+class FusedGPTStep(FusedLlamaStep):
+    """The same step for the from-scratch GPT (``pipeline.model.gpt``) over its shared-prefix
+    :class:`~pipeline.model.gpt.KVCache` (`cache.prefix` the B prompts' cache, `cache` the rows')."""
+
+    def __init__(self, model: nn.Module, cache, rows: int) -> None:  # noqa: D107 (no super: other weights)
+        cfg = model.config
+        self.H = self.Hkv = cfg.n_head
+        self.D = cfg.head_dim
+        self.embed = model.wte.weight
+        self.wpe = None if model.wpe is None else model.wpe.weight
+        self.layers = [_GPTLayer(block, rows) for block in model.h]
+        self.norm = model.ln_f
+        self.head = _Linear(model.lm_head.weight, None, rows)
+        P = cache.prefix
+        self.prefix = [(cache.prefix_k_t[i], P.v[i, :, :, : P.length]) for i in range(cfg.n_layer)]
+        self.prefix_bias, self.cache, self.key_mask = cache.prefix_bias, cache, cache.key_mask
+        self.cos = self.sin = None
+        if self.wpe is None:
+            half = self.D // 2
+            self.cos = model.rope_cos
+            self.sin = torch.cat([-model.rope_sin[:, :half], model.rope_sin[:, half:]], dim=-1)

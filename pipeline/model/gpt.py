@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.config import ModelConfig
-from pipeline.model import fastpaths
+from pipeline.model import fastpaths, fused_decode
 from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
 
 
@@ -374,6 +374,7 @@ class GPTDecoder:
     def __init__(self, model: GPT, max_len: int, dtype: torch.dtype | None = None) -> None:
         self.model, self.max_len, self.dtype = model, max_len, dtype
         self.cache: KVCache | None = None
+        self.fused: fused_decode.FusedGPTStep | None = None  # the decode step in few, large ops
 
     def prefill(self, input_ids, attention_mask, position_ids, repeats: int) -> torch.Tensor:
         """Prompts (B, T) once; the `repeats` rows of a group then share that prompt's cache (read,
@@ -387,10 +388,16 @@ class GPTDecoder:
         prompts = self.model.new_cache(B, T, self.dtype)
         logits = self.model(input_ids, attention_mask, position_ids, cache=prompts, last_only=True)  # (B, 1, V)
         self.cache = prompts.share_prefix(self.model.config, repeats, self.max_len - T)
+        if fused_decode.gpt_supported(self.model):
+            self.fused = fused_decode.FusedGPTStep(self.model, self.cache, B * repeats)
         return logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append one token per row (N,) at `positions` (N,); next-token logits (N, V)."""
+        if self.fused is not None:
+            if self.cache.length + 1 > self.cache.max_len:
+                raise ValueError(f"KV cache full: {self.cache.length} + 1 > {self.cache.max_len}")
+            return self.fused(tokens, positions)
         logits = self.model(tokens[:, None], None, positions[:, None], cache=self.cache, last_only=True)
         return logits[:, -1]
 
