@@ -240,7 +240,7 @@ def copy_repo(dst: Path, gsm8k: str | Path, git: bool = True) -> Path:
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     # written out in full: DVC tracks (and `dvc exp run -S` can set) only keys present in the file
-    from pipeline.config import dump_config, load_config
+    from pipeline.config_loading import dump_config, load_config
 
     smoke = load_config(ROOT / "configs" / "smoke.yaml", [f"data.gsm8k_source={gsm8k}"])
     (dst / "params.yaml").write_text(dump_config(smoke))

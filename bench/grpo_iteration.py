@@ -111,7 +111,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import pipeline.stages.grpo as grpo_mod
-    from pipeline.config import load_config
+    from pipeline.config_loading import load_config
 
     from pipeline.model.policy import resolve_device
 

@@ -43,7 +43,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from pipeline.checkpoint import save_policy
-    from pipeline.config import CHECKPOINT_DIR, DATA_DIR, config_from_dict
+    from pipeline.config import CHECKPOINT_DIR, DATA_DIR
+    from pipeline.config_loading import config_from_dict
     from pipeline.model.policy import build_policy
     from pipeline import group_sampling
     from pipeline.tokenizer import train_tokenizer

@@ -84,7 +84,8 @@ def build_model(folder: Path, layers: int, width: int) -> tuple[int, object]:
 def ours_trainer(model_dir: Path, data: list[dict], args):
     """Our GRPO stage's iterations on the HF backend, in the cwd (data/ and checkpoints/ written here)."""
     from pipeline.checkpoint import save_policy
-    from pipeline.config import CHECKPOINT_DIR, config_from_dict
+    from pipeline.config import CHECKPOINT_DIR
+    from pipeline.config_loading import config_from_dict
     from pipeline.model.policy import build_policy
     from pipeline import group_sampling
 

@@ -32,7 +32,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.experiment import exp_name, experiment_copy, save_experiment
 from pipeline.cli import add_config_args, exit_status
-from pipeline.config import METRICS_DIR, PLOTS_DIR, STAGES, Config, load_config
+from pipeline.config import METRICS_DIR, PLOTS_DIR, STAGES, Config
+from pipeline.config_loading import load_config
 from pipeline.evaluation import training_summary
 from pipeline.lock import check_free, workspace_lock
 from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run

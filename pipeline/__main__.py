@@ -19,7 +19,8 @@ import sys
 import tempfile
 
 from pipeline.cli import add_config_args, exit_status
-from pipeline.config import STAGES, dump_config, load_config
+from pipeline.config import STAGES
+from pipeline.config_loading import dump_config, load_config
 
 EXTRA_COMMANDS = ("compare", "summary")
 

@@ -3,7 +3,7 @@
 The trainer's state is any dataclass of JSON values (counters, a metric series); this module
 knows nothing else about it. ``save_resume`` writes it with the weights, the optimizer state, the
 global RNGs and an optional sampling generator to ``folder/step_NNNNNN`` through
-:func:`pipeline.checkpoint.save_training_state` (safetensors + JSON, atomic, verified on load, no
+:func:`pipeline.checkpoint_state.save_training_state` (safetensors + JSON, atomic, verified on load, no
 pickle) and keeps the newest ``keep_last``. ``load_resume`` restores the newest intact one.
 
 Each state carries a compatibility key (:func:`resume_key`: the params and the bytes of the
@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipeline.checkpoint import (TRAIN_JSON, capture_rng_state, load_training_state, restore_rng_state,
-                                 save_training_state)
+from pipeline.checkpoint_manifest import TRAIN_JSON
+from pipeline.checkpoint_state import capture_rng_state, load_training_state, restore_rng_state, save_training_state
 from pipeline.errors import CheckpointError
 from pipeline.files import sha256
 from pipeline.model.policy import Policy

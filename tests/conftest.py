@@ -177,7 +177,7 @@ def copy_repo(dst: Path, git: bool = True) -> Path:
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     # written out in full: DVC tracks (and `dvc exp run -S` can set) only keys present in the file
-    from pipeline.config import dump_config, load_config
+    from pipeline.config_loading import dump_config, load_config
 
     smoke = load_config(REPO / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}"])
     (dst / "params.yaml").write_text(dump_config(smoke))
@@ -282,7 +282,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 def smoke_cfg(*overrides: str):
     """configs/smoke.yaml on the GSM8K fixture, with `section.key=value` overrides."""
-    from pipeline.config import load_config
+    from pipeline.config_loading import load_config
 
     return load_config(REPO / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}", *overrides])
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pipeline import checkpoint as ckpt
-from pipeline.checkpoint import (capture_rng_state, init_policy, load_extra_state, load_policy,
-                                 load_training_state, restore_rng_state, save_policy, save_training_state)
+from pipeline import checkpoint_manifest
+from pipeline.checkpoint import init_policy, load_extra_state, load_policy, save_policy
+from pipeline.checkpoint_state import capture_rng_state, load_training_state, restore_rng_state, save_training_state
 from pipeline.errors import CheckpointError
 from pipeline.model.policy import build_policy
 from tests.conftest import tiny_model_config
@@ -57,7 +58,7 @@ def test_truncated_weights_refused_by_safetensors_too(gpt_policy, tmp_path):
     folder = save_policy(tmp_path / "c", gpt_policy)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
-    ckpt._write_manifest(folder)
+    checkpoint_manifest._write_manifest(folder)
     with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         load_policy(folder, device="cpu")
 
@@ -77,7 +78,7 @@ def test_mismatched_config_is_refused(gpt_policy, tmp_path):
     meta = json.loads((folder / "config.json").read_text())
     meta["gpt"]["n_embd"] = 64
     (folder / "config.json").write_text(json.dumps(meta))
-    ckpt._write_manifest(folder)
+    checkpoint_manifest._write_manifest(folder)
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*do not match"):
         load_policy(folder, device="cpu")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import checkpoint as ckpt
+from pipeline import checkpoint_manifest
 from pipeline.checkpoint import load_policy, save_policy
 from pipeline.errors import CheckpointError, StorageError
 
@@ -58,10 +58,10 @@ def test_the_size_estimate_matches_real_models(hf_dirs, gpt_policy):
     for folder in hf_dirs.values():
         module, _ = load_hf(folder)
         real = sum(p.numel() for p in module.parameters())
-        estimate = ckpt.hf_param_count(Path(folder))
+        estimate = checkpoint_manifest.hf_param_count(Path(folder))
         assert real <= estimate <= 1.6 * real + 10_000  # an upper bound, not far off
     real = sum(p.numel() for p in gpt_policy.module.parameters())
-    assert ckpt.gpt_param_count(gpt_policy.module.config) == pytest.approx(real, rel=0.02)
+    assert checkpoint_manifest.gpt_param_count(gpt_policy.module.config) == pytest.approx(real, rel=0.02)
     del torch
 
 
@@ -70,7 +70,7 @@ def test_an_oversized_gpt_config_with_a_forged_manifest_is_refused(gpt_policy, t
     meta = json.loads((folder / "config.json").read_text())
     meta["gpt"].update(n_embd=65536, n_layer=64)
     (folder / "config.json").write_text(json.dumps(meta))
-    ckpt._write_manifest(folder)
+    checkpoint_manifest._write_manifest(folder)
     with pytest.raises(CheckpointError, match=r"the GPT it describes has ~[\d,]+M parameters"):
         load_policy(folder, device="cpu")
 
@@ -95,7 +95,7 @@ def test_a_manifest_entry_outside_the_folder_is_refused(gpt_policy, tmp_path):
     manifest["files"]["../outside"] = {"bytes": 1, "sha256": "00"}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"points outside the checkpoint folder"):
-        ckpt.verify(folder)
+        checkpoint_manifest.verify(folder)
 
 
 def test_a_checkpoint_folder_that_is_a_file_is_one_line(gpt_policy, tmp_path):

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import Config, ConfigError, config_from_dict, dump_config, load_config
+from pipeline.config import Config, ConfigError
+from pipeline.config_loading import config_from_dict, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,11 +33,11 @@ def test_params_yaml_lists_every_field():
 
 def test_params_yaml_is_written_from_the_dataclasses():
     """params.yaml's values are the defaults and its comments the section and field docstrings of
-    pipeline/config.py, so the two cannot drift; regenerate with `python -m pipeline.config > params.yaml`."""
-    from pipeline.config import field_docs, render_params
+    pipeline/config.py, so the two cannot drift; regenerate with `python -m pipeline.config_render > params.yaml`."""
+    from pipeline.config_render import field_docs, render_params
 
     text = (ROOT / "params.yaml").read_text()
-    assert text == render_params(Config()), "params.yaml is stale: python -m pipeline.config > params.yaml"
+    assert text == render_params(Config()), "params.yaml is stale: python -m pipeline.config_render > params.yaml"
     assert "  # Peak AdamW learning rate.\n  lr: 0.003\n" in text  # a field docstring, then its key
     docs = field_docs(type(Config().warmup))
     assert docs["adaptive"].startswith("Adaptive curriculum") and docs["lr"] == "Peak AdamW learning rate."

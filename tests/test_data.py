@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import load_config
+from pipeline.config_loading import load_config
 from pipeline.data import arithmetic as ar
 from pipeline.data import gsm8k as gs
 from pipeline.data.prompts import format_number, format_prompt

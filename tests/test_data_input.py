@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from pipeline import files
-from pipeline.config import load_config
+from pipeline.config_loading import load_config
 from pipeline.data import gsm8k as gs
 from pipeline.errors import InputError
 from pipeline.files import read_rows

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import distributed as dist_utils
-from pipeline.config import config_from_dict
+from pipeline.config_loading import config_from_dict
 from tests.conftest import tiny_model_config
 from tests.fake_accelerator import DEVICE, DeviceMismatch, OnDevice, simulated_accelerator
 

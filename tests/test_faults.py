@@ -276,12 +276,12 @@ def test_a_foreign_or_oversized_checkpoint_is_refused_cheaply(reference, tmp_pat
         warm.mkdir()
         (warm / "config.json").write_text(LLAMA_DEFAULTS if case == "plain-defaults" else LLAMA_7B)
     else:  # a GPT config of 64 x 65536 with a manifest made to match
-        from pipeline import checkpoint as ckpt
+        from pipeline import checkpoint_manifest
 
         meta = json.loads((warm / "config.json").read_text())
         meta["gpt"].update(n_layer=64, n_embd=65536)
         (warm / "config.json").write_text(json.dumps(meta))
-        ckpt._write_manifest(warm)
+        checkpoint_manifest._write_manifest(warm)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     res = cli("grpo", work)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

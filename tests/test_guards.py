@@ -98,7 +98,7 @@ def test_a_blown_up_resume_state_is_never_resumed(workdir):
     assert load_resume(workdir / "r", "k", TrainState, policy, opt, None) is None
     assert all(torch.equal(good[k], v) for k, v in policy.module.state_dict().items())  # untouched
     with pytest.raises(CheckpointError, match="holds non-finite or exploded weights"):
-        from pipeline.checkpoint import load_training_state
+        from pipeline.checkpoint_state import load_training_state
 
         load_training_state(workdir / "r" / "step_000001", policy, opt)
 

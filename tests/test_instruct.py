@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import load_config
+from pipeline.config_loading import load_config
 from tests.conftest import CHAT_TEMPLATE, tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]

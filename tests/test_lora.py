@@ -15,7 +15,8 @@ from tests.conftest import tiny_model_config
 
 pytest.importorskip("peft")
 
-from pipeline.checkpoint import load_policy, load_training_state, save_policy, save_training_state  # noqa: E402
+from pipeline.checkpoint import load_policy, save_policy  # noqa: E402
+from pipeline.checkpoint_state import load_training_state, save_training_state
 from pipeline.model.lora import AdaptersOff, add_lora, is_lora  # noqa: E402
 from pipeline.model.policy import build_policy  # noqa: E402
 from pipeline.training import build_optimizer  # noqa: E402
@@ -156,7 +157,7 @@ def test_grpo_stage_with_lora_writes_a_merged_checkpoint(hf_dirs, tmp_path, monk
     untargeted weights are the init's."""
     from safetensors.torch import load_file
 
-    from pipeline.config import config_from_dict
+    from pipeline.config_loading import config_from_dict
     from pipeline.stages.grpo import run_grpo
 
     monkeypatch.chdir(tmp_path)

@@ -138,7 +138,7 @@ def test_configs_hold_every_key_so_dvc_exp_run_can_set_any(path):
 
 def test_params_file_other_than_params_yaml_becomes_overrides(tmp_path, monkeypatch):
     from flows.grpo_pipeline import effective_overrides
-    from pipeline.config import load_config
+    from pipeline.config_loading import load_config
 
     monkeypatch.chdir(REPO)
     over = effective_overrides(str(REPO / "configs" / "smoke.yaml"), ["grpo.kl_coef=0.02"])

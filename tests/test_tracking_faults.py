@@ -11,7 +11,8 @@ import pytest
 
 from pipeline.config import Config, TrackingConfig
 from pipeline.tracking import TrackingUnavailableError, stage_logger
-from pipeline.tracking.mlflow_backend import MlflowLogger, check_uri
+from pipeline.tracking.mlflow_client import check_uri
+from pipeline.tracking.mlflow_logger import MlflowLogger
 from tests.conftest import QUIET_ENV, REPO
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError
+from pipeline.config_loading import load_config
 from pipeline.errors import InputError
 from pipeline.rewards.verifiers import load_verifier, rewards_by_source, score
 

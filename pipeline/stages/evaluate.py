@@ -61,7 +61,7 @@ def checkpoint_folder(stage: str) -> Path:
     Every checkpoint is checked before any generation, so a bad last one fails in seconds, not
     after the first ones have been evaluated.
     """
-    from pipeline.checkpoint import is_checkpoint, verify
+    from pipeline.checkpoint_manifest import is_checkpoint, verify
 
     folder = Path(CHECKPOINT_DIR) / stage
     if not (folder / "config.json").is_file():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import Config
-from pipeline.tracking.mlflow_backend import ROLE_TAG, STAGE_TAG, client_for, experiment_id, tracking_uri
+from pipeline.tracking.mlflow_client import ROLE_TAG, STAGE_TAG, client_for, experiment_id, tracking_uri
 
 KEY_METRIC_WORDS = ("reward", "kl", "informative", "accuracy", "loss", "format_rate", "pass@", "maj@")
 DEFAULT_KEY_PARAMS = ("model.backend", "model.n_embd", "sft.steps", "warmup.iterations", "grpo.iterations",

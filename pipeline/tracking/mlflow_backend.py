@@ -1,4 +1,6 @@
-"""MLflow adapter behind :mod:`pipeline.tracking`: the only module that imports the MLflow SDK.
+"""MLflow adapter behind :mod:`pipeline.tracking`: it and its siblings `mlflow_client` (connection),
+`mlflow_logger` (the logging thread) and `mlflow_models` (checkpoints, registry) are the only modules
+that import the MLflow SDK. This one holds the run lifecycle: parent runs, stage runs, stale runs.
 
 Run layout. The caller of a pipeline execution (the Prefect flow, ``python -m pipeline all``,
 ``make run``) opens one *parent* run and hands its id down in ``GRPO_PARENT_RUN_ID``; each stage
@@ -28,182 +30,25 @@ turns tracking off for the stage. At the stage's end the queue is flushed for at
 (an unknown scheme, a file store, an sqlite path that cannot be written) is refused at once.
 """
 
+
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import queue
 import socket
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlparse
 
-from pipeline.config import CHECKPOINT_DIR, Config
-from pipeline.errors import InputError
+from pipeline.config import Config
 from pipeline.lock import pid_alive
-from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, TrackingUnavailableError, experiment_label,
-                                      git_state, resolve_uri, run_name, runtime_tags, temporary_env)
-
-PROBE_TIMEOUT_S = 5.0
-FLUSH_TIMEOUT_S = 10.0  # the most a stage waits at its end for queued tracking calls
-ROLE_TAG = "grpo.role"  # "pipeline" on parents, "stage" on stage runs
-STAGE_TAG = "grpo.stage"
-WORKSPACE_TAG = "grpo.workspace"
-HOST_TAG, PID_TAG = "grpo.host", "grpo.pid"  # the process that owns a RUNNING run
-COMMIT_TAG = "mlflow.source.git.commit"
-CHECKPOINT_TAG = "grpo.checkpoint_sha256"
-TRAINING_STAGES = ("sft", "warmup", "grpo")
-for _knob, _value in (("MLFLOW_HTTP_REQUEST_TIMEOUT", "30"), ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")):
-    os.environ.setdefault(_knob, _value)  # bounded calls unless the user chose otherwise
-
-
-# --------------------------------------------------------------------------- backend
-
-def tracking_uri(cfg: Config) -> str:
-    """The effective URI: ``MLFLOW_TRACKING_URI`` wins over ``tracking.uri``; relative sqlite paths
-    resolve at the repository root. A URI that cannot work is refused here, in milliseconds."""
-    return check_uri(resolve_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri))
-
-
-_DB_SCHEMES = ("postgresql", "mysql", "mssql", "databricks", "databricks-uc")
-
-
-def _bad_uri(uri: str, why: str) -> TrackingUnavailableError:
-    return TrackingUnavailableError(
-        f"tracking.uri = {uri!r}: {why}; use http(s)://host:port or sqlite:///path/to/mlflow.db "
-        "(or run without tracking: --set tracking.enabled=false)")
-
-
-def check_uri(uri: str) -> str:
-    """`uri` if MLflow can use it; TrackingUnavailableError (one line) for an unknown scheme, a file
-    store (MLflow 3 refuses it), an http URI without a host, or an sqlite path that cannot be written
-    (under a regular file, in a folder that refuses writes): MLflow itself retries those for minutes."""
-    scheme = uri.split("://", 1)[0].lower() if "://" in uri else uri.lower() if uri in _DB_SCHEMES else ""
-    base = scheme.split("+", 1)[0]
-    if base in ("http", "https"):
-        if not urlparse(uri).hostname:
-            raise _bad_uri(uri, "no host")
-    elif base == "sqlite":
-        _check_sqlite(uri)
-    elif base not in _DB_SCHEMES:
-        why = ("a file store (MLflow 3 supports only database and server backends)" if base in ("", "file")
-               else f"unsupported scheme {scheme!r}")
-        raise _bad_uri(uri, why)
-    return uri
-
-
-def _check_sqlite(uri: str) -> None:
-    if not uri.startswith("sqlite:///"):
-        return  # sqlite:// (in memory) or a driver-specific form: left to SQLAlchemy
-    rest = uri[len("sqlite:///"):].split("?", 1)[0]  # sqlite:////abs/path -> /abs/path
-    if rest in ("", ":memory:"):
-        return
-    db = Path(rest)
-    if db.is_dir():
-        raise _bad_uri(uri, f"{db} is a folder, not a database file")
-    folder = next((p for p in db.absolute().parents if p.exists()), Path("/"))
-    if not folder.is_dir():
-        raise _bad_uri(uri, f"{folder} is a file, so {db} cannot be created under it")
-    try:
-        if db.exists():
-            with open(db, "r+b"):
-                pass
-        with tempfile.TemporaryFile(dir=folder):
-            pass  # sqlite writes a journal beside the database: the folder must take new files
-    except OSError as exc:
-        raise _bad_uri(uri, f"{db} cannot be written ({exc.strerror or exc})") from None
-
-
-_UNREACHABLE = ("Max retries exceeded", "Connection refused", "timed out", "Failed to establish",
-                "Connection aborted", "RemoteDisconnected", "Connection reset")
-
-
-def _unreachable(exc: BaseException) -> bool:
-    """True if `exc` says the server is gone (not that one call was wrong)."""
-    import requests
-
-    if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError)):
-        return True
-    return any(s in str(exc) for s in _UNREACHABLE)
-
-
-def _unavailable(uri: str, why: str) -> TrackingUnavailableError:
-    why = " ".join(str(why).split())[:200]
-    return TrackingUnavailableError(
-        f"MLflow tracking at {uri} is unavailable ({why}); start the server, point tracking.uri or "
-        f"MLFLOW_TRACKING_URI elsewhere, or run without tracking: --set tracking.enabled=false")
-
-
-def probe(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
-    """Fail within ``timeout`` seconds if an http(s) tracking server does not answer (no retries)."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    import requests
-
-    try:
-        requests.get(uri.rstrip("/") + "/health", timeout=timeout)
-    except requests.exceptions.Timeout:
-        raise _unavailable(uri, f"no answer within {timeout:g} s") from None
-    except requests.exceptions.RequestException as exc:
-        why = "connection refused" if "refused" in str(exc).lower() else type(exc).__name__
-        raise _unavailable(uri, why) from None
-
-
-def client_for(uri: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
-
-
-def _no_http_retries():
-    """Make MLflow's REST calls fail fast while a stage starts (nothing is lost yet)."""
-    return temporary_env({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-                          "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(PROBE_TIMEOUT_S))})
-
-
-def experiment_id(cfg: Config, client=None) -> str:
-    """Id of ``cfg.tracking.experiment``, created if missing; fails fast if the backend is down."""
-    uri = tracking_uri(cfg)
-    probe(uri)
-    client = client or client_for(uri)
-    # a model-training experiment: MLflow 3 opens the GenAI traces page on experiments of unknown kind
-    kind = {"mlflow.experimentKind": "custom_model_development"}
-    try:
-        with _no_http_retries():
-            exp = client.get_experiment_by_name(cfg.tracking.experiment)
-            if exp is None:
-                return client.create_experiment(cfg.tracking.experiment, tags=kind)
-            if exp.lifecycle_stage == "deleted":
-                client.restore_experiment(exp.experiment_id)
-            if "mlflow.experimentKind" not in exp.tags:
-                client.set_experiment_tag(exp.experiment_id, *next(iter(kind.items())))
-            return exp.experiment_id
-    except InputError:
-        raise
-    except Exception as exc:  # any backend failure here happens before training: report it in one line
-        if "already exists" in str(exc):  # created concurrently by another stage process
-            return client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
-        raise _unavailable(uri, f"{type(exc).__name__}: {exc}") from None
-
-
-def _params(cfg: Config) -> dict[str, str]:
-    return {k: str(v)[:6000] for k, v in cfg.flat().items()}
-
-
-def _log_params(client, run_id: str, params: dict[str, Any]) -> None:
-    """Log params, skipping those the run already has (MLflow params are write-once)."""
-    from mlflow.entities import Param
-
-    have = client.get_run(run_id).data.params
-    new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in have]
-    for i in range(0, len(new), 100):
-        client.log_batch(run_id, params=new[i:i + 100])
+from pipeline.tracking.common import FLOW_RUN_ENV, PARENT_RUN_ENV, experiment_label, git_state, run_name, runtime_tags
+from pipeline.tracking.mlflow_client import (COMMIT_TAG, HOST_TAG, PID_TAG, ROLE_TAG, STAGE_TAG, TRAINING_STAGES,
+                                             WORKSPACE_TAG, _log_params, _no_http_retries, _params, _unavailable,
+                                             client_for, experiment_id, probe, tracking_uri)
+from pipeline.tracking.mlflow_logger import MlflowLogger
+from pipeline.tracking.mlflow_models import log_checkpoint, tag_model_with_eval
 
 
 def _base_tags(role: str) -> dict[str, str]:
@@ -306,140 +151,6 @@ def run_link(cfg: Config, parent_id: str | None, stage: str) -> str | None:
     return f"runs:/{run_id}"
 
 
-# --------------------------------------------------------------------------- stage logger
-
-class MlflowLogger:
-    """:class:`pipeline.tracking.Logger` writing to one MLflow run through an explicit client
-    (no fluent global state, so concurrent Prefect task threads cannot mix runs up).
-
-    Every call is queued for one logging thread: the training thread never waits on the server.
-    A failing call warns once and turns off calls of its kind; a server that stops answering
-    (connection refused, timeouts) warns once and turns all of them off. :meth:`close` waits at
-    most FLUSH_TIMEOUT_S for what is queued, then gives up with one warning."""
-
-    def __init__(self, client, run_id: str, uri: str):
-        self.client, self.run_id, self.uri = client, run_id, uri
-        self._broken: set[str] = set()
-        self._down = False  # the server stopped answering: everything is skipped
-        self.last: dict[str, float] = {}  # the last value of every metric logged
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name=f"mlflow-{run_id[:8]}", daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            what, fn, args, kwargs = self._queue.get()
-            if what == "__stop__":
-                return
-            if what == "__flush__":
-                fn()
-            else:
-                self._call(what, fn, *args, **kwargs)
-
-    def _guard(self, what: str, fn, *args, **kwargs) -> None:
-        """Queue `fn(*args, **kwargs)` for the logging thread (skipped if its kind failed before)."""
-        if not (self._down or what in self._broken):
-            self._queue.put((what, fn, args, kwargs))
-
-    def _call(self, what: str, fn, *args, **kwargs) -> None:
-        """Call `fn`; if it fails, warn once and skip calls of the same kind for the rest of the stage
-        (all calls, if the server stopped answering). Training never stops for tracking."""
-        if self._down or what in self._broken:
-            return
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:
-            msg = " ".join(str(exc).split())[:200]
-            if _unreachable(exc) or not self._answers():
-                self._down = True
-                print(f"warning: MLflow at {self.uri} stopped answering ({type(exc).__name__}: {msg}); "
-                      "tracking is off for the rest of this stage, training goes on", file=sys.stderr)
-                return
-            self._broken.add(what)
-            print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
-                  f"{what} disabled for the rest of this stage", file=sys.stderr)
-
-    def _answers(self) -> bool:
-        """After a failed call: does the server still answer its health check (2 s, no retries)?"""
-        if not self.uri.startswith(("http://", "https://")):
-            return True
-        try:
-            probe(self.uri, timeout=2.0)
-        except TrackingUnavailableError:
-            return False
-        return True
-
-    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
-        """Wait up to `timeout` s for the queued calls; False (one warning, the rest dropped) if not done."""
-        done = threading.Event()
-        self._queue.put(("__flush__", done.set, (), {}))
-        deadline = time.monotonic() + timeout
-        while not done.wait(0.05):
-            if self._down or time.monotonic() > deadline:  # a dead server: nothing left worth waiting for
-                break
-        else:
-            return True
-        if not self._down:
-            print(f"warning: MLflow at {self.uri}: gave up after {timeout:g} s on {self._queue.qsize()} "
-                  "queued tracking calls; the run's last metrics may be missing", file=sys.stderr)
-        self._down = True
-        return False
-
-    def close(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
-        """Flush (bounded by `timeout`), then stop the logging thread."""
-        if self.flush(timeout):
-            self._queue.put(("__stop__", None, (), {}))
-            self._thread.join(timeout)
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        self._guard("log_params", _log_params, self.client, self.run_id, params)
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        ts = int(time.time() * 1000)
-        items = []
-        for key, value in metrics.items():
-            try:
-                items.append(Metric(key, float(value), ts, int(step)))
-            except (TypeError, ValueError):  # not a number (e.g. None): nothing to plot
-                continue
-        self.last.update({m.key: m.value for m in items})
-        if items:
-            self._guard("log_metrics", self.client.log_batch, self.run_id, metrics=items)
-
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        path = Path(path)
-        if path.is_dir():
-            self._guard("log_artifacts", self.client.log_artifacts, self.run_id, str(path), artifact_path or path.name)
-        else:
-            self._guard("log_artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
-
-    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
-        """Rows to a JSON table artifact; a second call with the same name appends to it. Log many
-        small tables under one name: MLflow lists every table name in a run tag that holds 8,000
-        characters, so about 145 distinct names break log_table for the run (mlflow#11874, #13170)."""
-        import pandas as pd
-
-        artifact = name if name.endswith(".json") else f"{name}.json"
-        # Appending downloads the table first, and MLflow draws a progress bar for that download on
-        # stderr: one per logged iteration in the stage's output. Off unless the user asked for it.
-        bar = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-        log_table, frame = self.client.log_table, pd.DataFrame(rows)
-
-        def quiet_log_table() -> None:  # on the logging thread, where the download happens
-            with temporary_env({bar: os.environ.get(bar) or "false"}):
-                log_table(self.run_id, frame, artifact)
-
-        self._guard("log_table", quiet_log_table)
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
-
-        self._guard("set_tags", self.client.log_batch, self.run_id,
-                    tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
-
-
 def _open_stage_run(client, exp_id: str, cfg: Config, stage: str) -> str:
     parent_id = os.environ.get(PARENT_RUN_ENV) or None
     close_stale_runs(client, exp_id)
@@ -482,65 +193,3 @@ def mlflow_stage_logger(cfg: Config, stage: str) -> Iterator[MlflowLogger]:
         raise
     log._guard("set_terminated", client.set_terminated, run_id, status="FINISHED")
     log.close()  # bounded: a dead server costs at most FLUSH_TIMEOUT_S here
-
-
-# --------------------------------------------------------------------------- models
-
-def checkpoint_sha256(folder: Path) -> str | None:
-    """Identity of a checkpoint: the SHA-256 of its manifest (which lists every file's SHA-256)."""
-    manifest = folder / "manifest.json"
-    return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
-
-
-def _size_mb(folder: Path) -> float:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
-
-
-def log_checkpoint(log: MlflowLogger, cfg: Config, stage: str) -> None:
-    """Log ``checkpoints/<stage>`` as the run's ``checkpoint`` artifact (if within the size limit);
-    register the grpo checkpoint as a new version of ``tracking.registered_model``."""
-    folder = Path(CHECKPOINT_DIR) / stage
-    sha = checkpoint_sha256(folder)
-    if sha is None:
-        return
-    log.set_tags({CHECKPOINT_TAG: sha})
-    size = _size_mb(folder)
-    if not 0 < size <= cfg.tracking.log_model_max_mb:
-        log.set_tags({"grpo.checkpoint_logged": f"false ({size:.0f} MB > tracking.log_model_max_mb)"})
-        return
-    log.log_artifact(folder, "checkpoint")
-    if stage == "grpo" and cfg.tracking.registered_model:
-        def register() -> None:  # runs on the logging thread, after the upload it depends on
-            if "log_artifacts" not in log._broken:
-                _register(log.client, cfg.tracking.registered_model, log.run_id, sha)
-
-        log._guard("register_model", register)
-
-
-def _register(client, name: str, run_id: str, sha: str) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name, description="GRPO policy checkpoints (safetensors + JSON); "
-                                                          "load with pipeline.checkpoint.load_policy")
-    except MlflowException as exc:
-        if "already exists" not in str(exc).lower() and "RESOURCE_ALREADY_EXISTS" not in str(exc):
-            raise
-    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/checkpoint"
-    client.create_model_version(name, source, run_id=run_id, tags={CHECKPOINT_TAG: sha})
-
-
-def tag_model_with_eval(cfg: Config, metrics: dict[str, float]) -> int:
-    """Put ``metrics`` (the grpo checkpoint's evaluation) on every registered version of the
-    checkpoint now in ``checkpoints/grpo``; returns how many versions were tagged."""
-    name = cfg.tracking.registered_model
-    sha = checkpoint_sha256(Path(CHECKPOINT_DIR) / "grpo")
-    if not name or sha is None:
-        return 0
-    client = client_for(tracking_uri(cfg))
-    versions = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get(CHECKPOINT_TAG) == sha]
-    for v in versions:
-        for key, value in metrics.items():
-            client.set_model_version_tag(name, v.version, f"eval.{key}", str(value))
-    return len(versions)
-

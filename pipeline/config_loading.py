@@ -1,0 +1,352 @@
+"""Reading a params file into a :class:`~pipeline.config.Config`.
+
+``load_config(path, overrides)`` reads a params file (strict YAML: no duplicate keys, bounded size),
+applies ``section.key=value`` overrides, checks every key, type and range, and returns the
+:class:`~pipeline.config.Config`. Any mistake raises :class:`~pipeline.config.ConfigError` with a
+one-line message naming the file, the key and what is allowed; the CLI prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from pipeline.config import Config, ConfigError, GRPOConfig
+
+
+# --------------------------------------------------------------------------- validation
+
+_REWARD_SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
+
+
+def is_reward_spec(spec: str) -> bool:
+    """Empty, or `module:function` with dotted identifiers (imported by name, never evaluated)."""
+    return spec == "" or _REWARD_SPEC.fullmatch(spec) is not None
+
+
+def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
+    """(key, ok, what is allowed) for every range rule; derived checks live here only."""
+    w = cfg.warmup
+    return [
+        *_data_model_rules(cfg), *_sft_eval_rules(cfg),
+        *(rule for name in ("warmup", "grpo") for rule in _grpo_rules(name, getattr(cfg, name), cfg.model.block_size)),
+        ("warmup.min_informative", 0.0 <= w.min_informative <= 1.0, "a number in [0, 1]"),
+        ("warmup.exit_accuracy", 0.0 <= w.exit_accuracy <= 1.0, "a number in [0, 1]"),
+        ("warmup.max_extra_iters", w.max_extra_iters >= 0, "an integer >= 0"),
+    ]
+
+
+def _data_model_rules(cfg: Config) -> list[tuple[str, bool, str]]:
+    d, m = cfg.data, cfg.model
+    return [
+        ("data.val_size", d.val_size >= 0, "an integer >= 0"),
+        ("data.max_bad_fraction", 0.0 <= d.max_bad_fraction <= 1.0, "a number in [0, 1]"),
+        ("data.arith_train_size", d.arith_train_size >= 1, "an integer >= 1"),
+        ("data.arith_eval_size", d.arith_eval_size >= 1, "an integer >= 1"),
+        ("data.arith_max_level", 1 <= d.arith_max_level <= 5, "an integer in [1, 5]"),
+        ("data.prompt_template", "{question}" in d.prompt_template, "a string containing {question}"),
+        ("data.vocab_size", 300 <= d.vocab_size <= 1_000_000, "an integer in [300, 1000000]"),
+        ("model.n_layer", m.n_layer >= 1, "an integer >= 1"),
+        ("model.n_head", m.n_head >= 1, "an integer >= 1"),
+        ("model.n_embd", m.n_embd >= 1 and m.n_embd % max(m.n_head, 1) == 0,
+         "an integer >= 1 divisible by model.n_head"),
+        ("model.block_size", m.block_size >= 16, "an integer >= 16"),
+        ("model.num_threads", m.num_threads >= 0, "an integer >= 0 (0 = torch's default)"),
+        ("model.dropout", 0.0 <= m.dropout < 1.0, "a number in [0, 1)"),
+        ("model.device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,
+         "auto, cpu, cuda or cuda:N"),
+        ("model.backend", m.backend == "gpt" or bool(m.init), "model.init set to a HF model id or folder"),
+        ("data.chat_template", not d.chat_template or m.backend == "hf",
+         "true only with model.backend hf (the template is the HF tokenizer's)"),
+        ("model.lora_rank", m.lora_rank >= 0 and (m.lora_rank == 0 or m.backend == "hf"),
+         "an integer >= 0 (0 = off); LoRA needs model.backend hf"),
+        ("model.lora_alpha", m.lora_alpha > 0, "a number > 0"),
+        ("model.lora_targets", bool(m.lora_targets) and all(t.strip() for t in m.lora_targets),
+         "a non-empty list of module names, e.g. [q_proj, v_proj]"),
+        ("model.gradient_checkpointing", not m.gradient_checkpointing or m.backend == "hf",
+         "true only with model.backend hf"),
+    ]
+
+
+def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
+    m, s, e = cfg.model, cfg.sft, cfg.evaluate
+    return [
+        ("evaluate.reward", is_reward_spec(e.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
+        ("sft.steps", s.steps >= 0, "an integer >= 0"),
+        ("sft.batch_size", s.batch_size >= 1, "an integer >= 1"),
+        ("sft.lr", s.lr > 0, "a number > 0"),
+        ("sft.warmup_steps", s.warmup_steps >= 0, "an integer >= 0"),
+        ("sft.weight_decay", s.weight_decay >= 0, "a number >= 0"),
+        ("sft.grad_clip", s.grad_clip > 0, "a number > 0"),
+        ("sft.arith_fraction", 0.0 <= s.arith_fraction <= 1.0, "a number in [0, 1]"),
+        ("sft.max_len", 8 <= s.max_len <= m.block_size, "an integer in [8, model.block_size]"),
+        ("sft.log_every", s.log_every >= 1, "an integer >= 1"),
+        ("sft.eval_every", s.eval_every >= 0, "an integer >= 0"),
+        ("sft.eval_samples", s.eval_samples >= 0, "an integer >= 0"),
+        ("sft.save_every", s.save_every >= 1, "an integer >= 1"),
+        ("sft.keep_last", s.keep_last >= 1, "an integer >= 1"),
+        ("sft.max_nonfinite", s.max_nonfinite >= 1, "an integer >= 1"),
+        ("evaluate.gsm8k_limit", e.gsm8k_limit >= 0, "an integer >= 0 (0 = all)"),
+        ("evaluate.arith_limit", e.arith_limit >= 0, "an integer >= 0 (0 = all)"),
+        ("evaluate.batch_size", e.batch_size >= 1, "an integer >= 1"),
+        ("evaluate.max_new_tokens", e.max_new_tokens >= 1, "an integer >= 1"),
+        ("evaluate.samples", e.samples >= 0, "an integer >= 0 (0 = off)"),
+        ("evaluate.sample_tasks", all(x in ("gsm8k", "arith") for x in e.sample_tasks),
+         "a list drawn from gsm8k, arith"),
+        ("evaluate.temperature", e.temperature > 0, "a number > 0"),
+        ("evaluate.top_p", 0.0 < e.top_p <= 1.0, "a number in (0, 1]"),
+        ("evaluate.stages", bool(e.stages) and all(x in ("sft", "warmup", "grpo") for x in e.stages),
+         "a non-empty list drawn from sft, warmup, grpo"),
+        ("tracking.experiment", bool(cfg.tracking.experiment.strip()), "a non-empty name"),
+        ("tracking.log_model_max_mb", cfg.tracking.log_model_max_mb >= 0, "a number >= 0 (0 = never)"),
+    ]
+
+
+def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bool, str]]:
+    return [
+        (f"{name}.iterations", g.iterations >= 0, "an integer >= 0"),
+        (f"{name}.prompts_per_iter", g.prompts_per_iter >= 1, "an integer >= 1"),
+        (f"{name}.group_size", g.group_size >= 2, "an integer >= 2 (a group needs peers)"),
+        (f"{name}.grpo_epochs", g.grpo_epochs >= 1, "an integer >= 1"),
+        (f"{name}.minibatch_groups", 0 <= g.minibatch_groups <= g.prompts_per_iter,
+         "an integer in [0, prompts_per_iter] (0 = whole batch)"),
+        (f"{name}.lr", g.lr > 0, "a number > 0"),
+        (f"{name}.warmup_iters", g.warmup_iters >= 0, "an integer >= 0"),
+        (f"{name}.weight_decay", g.weight_decay >= 0, "a number >= 0"),
+        (f"{name}.clip", 0.0 < g.clip < 1.0, "a number in (0, 1)"),
+        (f"{name}.clip_high", g.clip_high == 0.0 or 0.0 < g.clip_high < 10.0,
+         "0 (same as clip) or a number in (0, 10)"),
+        (f"{name}.kl_coef", g.kl_coef >= 0, "a number >= 0"),
+        (f"{name}.temperature", g.temperature > 0, "a number > 0"),
+        (f"{name}.top_p", 0.0 < g.top_p <= 1.0, "a number in (0, 1]"),
+        (f"{name}.top_k", g.top_k >= 0, "an integer >= 0 (0 = off)"),
+        (f"{name}.rollout_len", 1 <= g.rollout_len < block_size, "an integer in [1, model.block_size)"),
+        (f"{name}.grad_clip", g.grad_clip > 0, "a number > 0"),
+        (f"{name}.max_sampling_rounds", g.max_sampling_rounds >= 1, "an integer >= 1"),
+        (f"{name}.max_nonfinite", g.max_nonfinite >= 1, "an integer >= 1"),
+        (f"{name}.log_every", g.log_every >= 1, "an integer >= 1"),
+        (f"{name}.eval_every", g.eval_every >= 0, "an integer >= 0 (0 = off)"),
+        (f"{name}.eval_samples", g.eval_samples >= 0, "an integer >= 0"),
+        (f"{name}.save_every", g.save_every >= 1, "an integer >= 1"),
+        (f"{name}.keep_last", g.keep_last >= 1, "an integer >= 1"),
+        (f"{name}.nproc", g.nproc >= 1, "an integer >= 1"),
+        (f"{name}.micro_batch_size", g.micro_batch_size >= 0, "an integer >= 0 (0 = the whole minibatch)"),
+        (f"{name}.reward", is_reward_spec(g.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
+    ]
+
+
+def validate(cfg: Config, source: str = "params") -> Config:
+    for key, ok, allowed in _range_rules(cfg):
+        if not ok:
+            section, name = key.split(".", 1)
+            value = getattr(getattr(cfg, section), name)
+            raise ConfigError(f"{source}: {key} = {_show(value)} is out of range; allowed: {allowed}")
+    return cfg
+
+
+# --------------------------------------------------------------------------- parsing
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: an error line stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+INT_LIMIT = 2**63  # integers (seeds, sizes) must fit a signed 64-bit value: numpy and torch seeds do
+
+
+def _number(value: Any, tp: type, key: str, source: str) -> Any:
+    """A finite number for an int or float field; `.inf`, `.nan` and ints beyond int64 are refused."""
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" as a string; accept it as the number it means
+            value = float(value)
+        except ValueError:
+            return value
+    if tp is float and isinstance(value, int):
+        if abs(value) >= 2**1023:
+            raise ConfigError(f"{source}: {key} = {_show(value)} is out of range; expected a finite number")
+        value = float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {key} = {_show(value)} is not allowed; expected a finite number")
+    if isinstance(value, int) and not -INT_LIMIT <= value < INT_LIMIT:
+        raise ConfigError(f"{source}: {key} = {_show(value)} is out of range; expected an integer in [-2**63, 2**63)")
+    return value
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{source}: {key} = {_show(value)} is not allowed{hint}; allowed: "
+                              + ", ".join(map(str, allowed)))
+        return value
+    if origin in (list, typing.List):
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} = {_show(value)} has the wrong type; expected a list")
+        return [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key, source)
+    if tp in (int, float) and not isinstance(value, bool):
+        value = _number(value, tp, key, source)
+    if isinstance(value, bool) and tp is not bool:
+        raise ConfigError(f"{source}: {key} = {_show(value)} has the wrong type; expected {_TYPE_NAMES[tp]}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{source}: {key} = {_show(value)} has the wrong type; expected {_TYPE_NAMES.get(tp, tp)}")
+    return value
+
+
+def _build_section(default: Any, raw: Any, section: str, source: str) -> Any:
+    """`default` (the section's default instance) with the keys of `raw` checked and applied."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: section {section!r} must be a mapping of keys to values")
+    cls = type(default)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+            raise ConfigError(f"{source}: unknown key {section}.{key}{hint}; allowed: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}", source)
+    return dataclasses.replace(default, **kwargs)
+
+
+def config_from_dict(raw: Any, source: str = "params") -> Config:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    defaults = Config()
+    sections = [f.name for f in dataclasses.fields(Config)]
+    for key in raw:
+        if key not in sections:
+            close = difflib.get_close_matches(str(key), sections, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{source}: unknown section {key!r}{hint}; allowed: {', '.join(sections)}")
+    cfg = Config(**{s: _build_section(getattr(defaults, s), raw.get(s), s, source) for s in sections})
+    return validate(cfg, source)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, YAML-parsed value)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. grpo.kl_coef=0.02")
+    lhs, rhs = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = yaml.safe_load(rhs) if rhs.strip() else ""
+    except yaml.YAMLError:
+        value = rhs
+    return section, key, value
+
+
+MAX_PARAMS_BYTES = 1 << 20  # a params file is a few kB; anything this large is not one
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)
+    and aliases (`*name`): a params file has no use for them, and nested aliases expand
+    exponentially (a few lines that take the machine down when printed in an error)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(f"{self.name}:{event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                              "allowed in a params file; write the value out")
+        return super().compose_node(parent, index)
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        try:
+            first = seen.get(key)
+            seen[key] = line
+        except TypeError:  # an unhashable key: let the default constructor report it
+            continue
+        if first is not None:
+            raise ConfigError(f"{loader.name}:{line}: duplicate key {key!r} (first given on line {first}); "
+                              "each section and key may appear once")
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _params_text(path: Path) -> str:
+    """The params file as text: refused if too large, not UTF-8 text, or holding NUL bytes."""
+    size = path.stat().st_size
+    if size > MAX_PARAMS_BYTES:
+        raise ConfigError(f"{path}: {size} bytes is too large for a params file (at most {MAX_PARAMS_BYTES})")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not a UTF-8 text file (byte {exc.start}); a params file is YAML text") from None
+    if "\0" in text:
+        line = text[:text.index("\0")].count("\n") + 1
+        raise ConfigError(f"{path}:{line}: holds a NUL byte; a params file is YAML text, not binary")
+    return text
+
+
+def read_params(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: params file not found (pass --params FILE or run where params.yaml is)")
+    loader = _UniqueKeyLoader(_params_text(path))
+    loader.name = str(path)
+    try:
+        raw = loader.get_single_data()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = str(getattr(exc, "problem", None) or exc).replace("\n", " ")
+        raise ConfigError(f"{path}{where}: not valid YAML ({problem})") from None
+    finally:
+        loader.dispose()
+    if raw is None or raw == {}:
+        raise ConfigError(f"{path}: the params file is empty; it must hold the stage sections "
+                          "(see params.yaml), an empty file would silently run every default")
+    return raw
+
+
+def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> Config:
+    raw = read_params(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        sec = raw.setdefault(section, {})
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
+        sec[key] = value
+    return config_from_dict(raw, str(path))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, width=120)

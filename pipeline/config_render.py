@@ -1,0 +1,62 @@
+"""params.yaml written from the config dataclasses: their defaults, section and field docstrings.
+
+Regenerate with ``python -m pipeline.config_render > params.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import yaml
+
+from pipeline.config import Config
+
+
+PARAMS_HEADER = """\
+# The single source of knobs: one section per stage, mirrored 1:1 by pipeline/config.py.
+# Override any value on the CLI with --set section.key=value, or with `dvc exp run -S section.key=value`.
+# Written from pipeline/config.py (defaults and docstrings): python -m pipeline.config_render > params.yaml
+"""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (and of its bases), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, str) and "\n" in value:
+        return json.dumps(value)  # a double-quoted YAML string on one line
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 20).splitlines()[0]
+
+
+def render_params(cfg: Config) -> str:
+    """params.yaml for `cfg`: each section under its dataclass's docstring, each key under its field's."""
+    import textwrap
+
+    lines = [PARAMS_HEADER.rstrip()]
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        lines += ["", f"# --- {f.name}: {type(section).__doc__.strip()}", f"{f.name}:"]
+        docs = field_docs(type(section))
+        for key in dataclasses.fields(section):
+            lines += textwrap.wrap(docs[key.name], 108, initial_indent="  # ", subsequent_indent="  # ")
+            lines.append(f"  {key.name}: {_yaml_scalar(getattr(section, key.name))}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_params(Config()), end="")
