@@ -222,8 +222,9 @@ def setup(cfg: Config, stage: str) -> GRPORun:
         if ref is not None:
             check_reference(paths, policy, ref)
             ref.set_compute_dtype(cfg.model.dtype)
-    if world > 1:
-        policy.runner = dist_utils.wrap_ddp(policy.module)
+    if world > 1:  # compile wraps DDP (not the reverse), so model.compile also holds under torchrun
+        ddp = dist_utils.wrap_ddp(policy.module)
+        policy.runner = torch.compile(ddp) if cfg.model.compile else ddp
     optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
     # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
     generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
