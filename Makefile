@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install --quiet -e ".[dev]" -c requirements.lock
+	$(BIN)/python -m pip install --quiet -e ".[dev,lora]" -c requirements.lock
 	touch $@
 
 # The main job: every stage through DVC, as the Prefect flow runs it (flows/grpo_pipeline.py): DVC

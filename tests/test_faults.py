@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -235,16 +234,12 @@ def test_a_tracking_server_killed_mid_run_does_not_hold_training_back(reference,
         _wait_http(f"http://127.0.0.1:{port}/health", server)
         its = ["--set", "warmup.iterations=16", "--set", "warmup.log_every=1", "--set", "warmup.eval_every=0"]
         plain = _workspace(reference, "warmup", tmp_path / "plain")
+        t_plain, _, rc, _ = _loop_seconds("warmup", plain, *its)
+        assert rc == 0
         tracked = _workspace(reference, "warmup", tmp_path / "tracked")
-        # both runs at once, so that whatever else loads the machine slows both alike (a paired
-        # measurement: run one after the other, a burst of load during one of them decides the ratio)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            plain_run = pool.submit(_loop_seconds, "warmup", plain, *its)
-            t_tracked, err, rc, out = _loop_seconds(
-                "warmup", tracked, *its, "--set", "tracking.enabled=true", "--set", f"tracking.uri=http://127.0.0.1:{port}",
-                kill_at="warmup 4/", server=server)
-            t_plain, _, plain_rc, _ = plain_run.result()
-        assert plain_rc == 0
+        t_tracked, err, rc, out = _loop_seconds(
+            "warmup", tracked, *its, "--set", "tracking.enabled=true", "--set", f"tracking.uri=http://127.0.0.1:{port}",
+            kill_at="warmup 4/", server=server)
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)

@@ -31,6 +31,7 @@ class MlflowLogger:
         self.client, self.run_id, self.uri = client, run_id, uri
         self._broken: set[str] = set()
         self._down = False  # the server stopped answering: everything is skipped
+        self._down_lock = threading.Lock()
         self.last: dict[str, float] = {}  # the last value of every metric logged
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name=f"mlflow-{run_id[:8]}", daemon=True)
@@ -61,13 +62,21 @@ class MlflowLogger:
         except Exception as exc:
             msg = " ".join(str(exc).split())[:200]
             if _unreachable(exc) or not self._answers():
-                self._down = True
-                print(f"warning: MLflow at {self.uri} stopped answering ({type(exc).__name__}: {msg}); "
-                      "tracking is off for the rest of this stage, training goes on", file=sys.stderr)
+                self._mark_down(f"{type(exc).__name__}: {msg}")
                 return
             self._broken.add(what)
             print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
                   f"{what} disabled for the rest of this stage", file=sys.stderr)
+
+    def _mark_down(self, reason: str) -> None:
+        """The server stopped answering: skip every call from now on; warn once (the logging thread
+        and the end-of-stage flush can both find out)."""
+        with self._down_lock:
+            if self._down:
+                return
+            self._down = True
+        print(f"warning: MLflow at {self.uri} stopped answering ({reason}); "
+              "tracking is off for the rest of this stage, training goes on", file=sys.stderr)
 
     def _answers(self) -> bool:
         """After a failed call: does the server still answer its health check (2 s, no retries)?"""
@@ -83,10 +92,17 @@ class MlflowLogger:
         """Wait up to `timeout` s for the queued calls; False (one warning, the rest dropped) if not done."""
         done = threading.Event()
         self._queue.put(("__flush__", done.set, (), {}))
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, probed = start + timeout, False
         while not done.wait(0.05):
             if self._down or time.monotonic() > deadline:  # a dead server: nothing left worth waiting for
                 break
+            # a call still pending after half a second may be sitting in the HTTP client's retries
+            # against a server that is gone: ask its health check once rather than wait them out
+            if not probed and time.monotonic() - start > 0.5:
+                probed = True
+                if not self._answers():
+                    self._mark_down("no answer to its health check at the end of the stage")
         else:
             return True
         if not self._down:
