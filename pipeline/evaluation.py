@@ -5,7 +5,8 @@ plain lists of completions, golds and per-example rows, so a hand-made list chec
 
 Metrics
 - accuracy: fraction of greedy completions whose parsed answer matches the gold, judged by the
-  same verifier as training (``pipeline.rewards``).
+  same verifier as training (``pipeline.rewards``); ``accuracy_ci95_low/high`` is its 95% Wilson
+  score interval over the evaluated problems (the uncertainty of a finite test set, not of seeds).
 - format rate: fraction with a well-formed ``<answer>N</answer>``.
 - pass@k: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
   Code", eq. 1): with n samples of which c are correct, ``1 - C(n-c, k) / C(n, k)``, averaged over
@@ -70,6 +71,28 @@ def format_rate(scored: Sequence[Mapping[str, Any]]) -> float:
     return mean(r["well_formed"] for r in scored)
 
 
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+
+
+def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95% by default): `correct` of `n`.
+
+    Unlike the normal approximation it stays inside [0, 1] and keeps its coverage near 0 and 1
+    (a checkpoint at 0% or 100% still gets an interval of non-zero width). n = 0: (0, 1).
+    """
+    if not 0 <= correct <= n:
+        raise ValueError(f"wilson_interval needs 0 <= correct <= n; got correct={correct}, n={n}")
+    if n == 0:
+        return 0.0, 1.0
+    p, z2 = correct / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    # at c = 0 and c = n the interval ends exactly at 0 and 1 (float rounding would miss by an ulp)
+    low = 0.0 if correct == 0 else max(0.0, centre - half)
+    high = 1.0 if correct == n else min(1.0, centre + half)
+    return low, high
+
+
 # --------------------------------------------------------------------------- sampling metrics
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -125,8 +148,11 @@ def sample_stats(texts: Sequence[str], gold: float, k: int, source: str = "gsm8k
 
 def task_metrics(rows: Sequence[Mapping[str, Any]], samples: int = 0) -> dict[str, float | int]:
     """Metrics of one (stage, task) from its per-example prediction rows."""
+    low, high = wilson_interval(sum(bool(r["correct"]) for r in rows), len(rows))
     out: dict[str, float | int] = {
         "accuracy": accuracy(rows),
+        "accuracy_ci95_low": low,
+        "accuracy_ci95_high": high,
         "format_rate": format_rate(rows),
         "mean_response_length": mean(r["response_length"] for r in rows),
         "truncation_rate": mean(r["truncated"] for r in rows),

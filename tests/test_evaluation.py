@@ -72,6 +72,8 @@ def test_stage_metrics_values_and_key_order():
     assert m["truncation_rate"] == pytest.approx(0.5)
     assert m["gsm8k_format_rate"] == pytest.approx(2 / 3) and m["gsm8k_examples"] == 3
     assert m["arith_examples"] == 1
+    assert (m["gsm8k_accuracy_ci95_low"], m["gsm8k_accuracy_ci95_high"]) == ev.wilson_interval(1, 3)
+    assert (m["arith_accuracy_ci95_low"], m["arith_accuracy_ci95_high"]) == ev.wilson_interval(1, 1)
     rounded = ev.round_metrics({"sft": m})
     assert rounded["sft"]["gsm8k_accuracy"] == 0.3333 and isinstance(rounded["sft"]["gsm8k_examples"], int)
 
@@ -83,6 +85,30 @@ def test_stage_metrics_with_sampling_keys():
     assert m["gsm8k_pass_at_4"] == 0.5 and m["gsm8k_maj_at_4"] == 0.0
     assert m["gsm8k_pass_at_1"] == pytest.approx(1 / 8)
     assert all("@" not in k for k in m)  # MLflow metric names may not contain '@'
+
+
+# --------------------------------------------------------------------------- intervals
+
+def test_wilson_interval_hand_computed():
+    # 7 of 10, z = 1.96: centre (0.7 + 0.19208) / 1.38415 = 0.64450,
+    # half 1.96 * sqrt(0.021 + 0.00096) / 1.38415 = 0.20986
+    assert ev.wilson_interval(7, 10) == pytest.approx((0.39676, 0.89215), abs=1e-4)
+    # 0 of 20 still has width: the upper end is z^2 / (n + z^2) = 3.8415 / 23.8415
+    assert ev.wilson_interval(0, 20) == pytest.approx((0.0, 0.16113), abs=1e-4)
+    assert ev.wilson_interval(20, 20) == pytest.approx((0.83887, 1.0), abs=1e-4)
+    assert ev.wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        ev.wilson_interval(3, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 2000).flatmap(lambda n: st.tuples(st.integers(0, n), st.just(n))))
+def test_wilson_interval_contains_the_estimate_and_narrows_with_n(cn):
+    c, n = cn
+    low, high = ev.wilson_interval(c, n)
+    assert 0.0 <= low <= c / n <= high <= 1.0
+    low4, high4 = ev.wilson_interval(4 * c, 4 * n)  # the same proportion on 4x the problems
+    assert high4 - low4 < high - low
 
 
 # --------------------------------------------------------------------------- pass@k

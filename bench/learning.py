@@ -1,0 +1,184 @@
+"""Does GRPO beat its equal-compute SFT control?  Held-out arithmetic accuracy of the sft, control
+and warmup checkpoints over several seeds, with 95% intervals over the held-out problems and the seeds.
+
+For each seed s it runs the stages ``sft``, ``warmup`` and ``control`` of the given params (each
+stage's own seed set to s) in its own working folder under ``--work``, all sharing one prepared
+``data/``, ``--jobs`` seeds at a time (one torch thread each); then scores every checkpoint
+greedily on the whole held-out set (``data/arith_eval.jsonl``) with the training verifier.
+
+Reported, per checkpoint: the mean accuracy over seeds with a 95% interval from a two-level
+bootstrap (seeds resampled, then problems), each seed's figure, and the SFT's plateau check (how
+much held-out accuracy moved over its last 20% of steps, from ``plots/sft.csv``). Then the paired
+difference warmup - control (the same seed's checkpoints on the same problems) with its interval.
+
+    python bench/learning.py --gsm8k PATH --seeds 0 1 2 --jobs 2 --work /tmp/learning [--set k=v ...]
+    python bench/learning.py --work /tmp/learning --report      # re-read finished seeds only
+    # under torch's AVX2 kernels on any CPU: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 python bench/learning.py ...
+    # last line: JSON with every figure
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, default_gsm8k, machine_line  # noqa: E402
+
+STAGES = ("sft", "control", "warmup")  # in the table's order
+TRAIN_ORDER = ("sft", "warmup", "control")  # the pipeline's order
+BOOTSTRAP = 10_000
+
+
+def run_stage(folder: Path, stage: str, overrides: list[str], log) -> float:
+    """Run one stage through the CLI in `folder`; its wall seconds."""
+    cmd = [sys.executable, "-m", "pipeline", stage, "--params", str(folder / "params.yaml")]
+    for o in overrides:
+        cmd += ["--set", o]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    subprocess.run(cmd, cwd=folder, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return time.monotonic() - t0
+
+
+def prepare(work: Path, params: Path, gsm8k: str, overrides: list[str]) -> Path:
+    base = work / "prepared"
+    if not (base / "data" / "stats.json").is_file():
+        base.mkdir(parents=True, exist_ok=True)
+        shutil.copy(params, base / "params.yaml")
+        with open(base / "prepare.log", "w") as log:
+            run_stage(base, "prepare", [f"data.gsm8k_source={gsm8k}", *overrides], log)
+    return base / "data"
+
+
+def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[str]) -> dict:
+    folder = work / f"seed-{seed}"
+    done = folder / "scores.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(params, folder / "params.yaml")
+    if not (folder / "data").exists():
+        (folder / "data").symlink_to(data.resolve())
+    sets = [*overrides, f"sft.seed={seed}", f"warmup.seed={seed}", f"control.seed={seed}"]
+    wall = {}
+    with open(folder / "stages.log", "a") as log:
+        for stage in TRAIN_ORDER:
+            wall[stage] = round(run_stage(folder, stage, sets, log), 1)
+    result = {"seed": seed, "wall_s": wall, "correct": score(folder), "sft_curve": sft_curve(folder)}
+    done.write_text(json.dumps(result))
+    return result
+
+
+def score(folder: Path) -> dict[str, list[int]]:
+    """Greedy correctness (0/1) of each checkpoint on every held-out problem, in file order."""
+    import torch
+
+    from pipeline.checkpoint import load_policy
+    from pipeline.evaluation import score_completion
+    from pipeline.files import read_rows
+    from pipeline.generation import generate
+
+    torch.set_num_threads(1)
+    rows = read_rows(folder / "data" / "arith_eval.jsonl")
+    out = {}
+    for stage in STAGES:
+        policy = load_policy(folder / "checkpoints" / stage, device="cpu")
+        policy.eval()
+        texts, _, _ = generate(policy, [r["prompt"] for r in rows], batch_size=100, max_new_tokens=96)
+        out[stage] = [int(score_completion(t, float(r["gold"]), "arith")["correct"]) for t, r in zip(texts, rows)]
+    return out
+
+
+def sft_curve(folder: Path) -> list[tuple[int, float]]:
+    with open(folder / "plots" / "sft.csv") as f:
+        return [(int(r["step"]), float(r["arith_accuracy"])) for r in csv.DictReader(f) if r.get("arith_accuracy")]
+
+
+def plateau_move(curve: list[tuple[int, float]]) -> float | None:
+    """Held-out accuracy at the last check minus at the check nearest 80% of the steps."""
+    if len(curve) < 2:
+        return None
+    last_step, last = curve[-1]
+    ref = min(curve[:-1], key=lambda c: abs(c[0] - 0.8 * last_step))
+    return round(last - ref[1], 4)
+
+
+def bootstrap(per_seed: list[list[float]], rng, draws: int = BOOTSTRAP) -> tuple[float, float, float]:
+    """(mean, 95% low, 95% high) of the mean over seeds of the mean over problems; seeds and then
+    problems resampled with replacement (the same problem draw for every seed: they share the set).
+    `rng`: a numpy Generator; `draws`: bootstrap resamples."""
+    import numpy as np
+
+    arr = np.asarray(per_seed, dtype=float)  # (seeds, problems)
+    n_seeds, n = arr.shape
+    problems = rng.integers(0, n, size=(draws, n))
+    means = arr[:, problems].mean(axis=2)  # (seeds, draws): each seed on each problem draw
+    seeds = rng.integers(0, n_seeds, size=(draws, n_seeds))
+    stats = np.sort(means[seeds, np.arange(draws)[:, None]].mean(axis=1))
+    return float(arr.mean()), float(stats[int(0.025 * draws)]), float(stats[int(0.975 * draws) - 1])
+
+
+def report(results: list[dict]) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    table = {}
+    for stage in STAGES:
+        per_seed = [r["correct"][stage] for r in results]
+        mean, low, high = bootstrap(per_seed, rng)
+        table[stage] = {"mean": round(mean, 4), "ci95": [round(low, 4), round(high, 4)],
+                        "seeds": [round(sum(s) / len(s), 4) for s in per_seed]}
+    diffs = [[w - c for w, c in zip(r["correct"]["warmup"], r["correct"]["control"])] for r in results]
+    mean, low, high = bootstrap(diffs, rng)
+    table["warmup_minus_control"] = {"mean": round(mean, 4), "ci95": [round(low, 4), round(high, 4)],
+                                     "seeds": [round(sum(d) / len(d), 4) for d in diffs]}
+    table["sft_plateau_move"] = [plateau_move(r["sft_curve"]) for r in results]
+    table["wall_s"] = {r["seed"]: r["wall_s"] for r in results}
+    print(f"{len(results)} seeds ({', '.join(str(r['seed']) for r in results)}), "
+          f"{len(results[0]['correct']['sft'])} held-out problems; greedy accuracy, mean over seeds [95% interval]")
+    for stage in (*STAGES, "warmup_minus_control"):
+        t = table[stage]
+        print(f"  {stage:22s} {100 * t['mean']:6.1f}%  [{100 * t['ci95'][0]:5.1f}, {100 * t['ci95'][1]:5.1f}]  "
+              f"seeds: {' / '.join(f'{100 * s:.1f}' for s in t['seeds'])}")
+    print(f"  SFT accuracy moved over its last 20% of steps: {table['sft_plateau_move']}")
+    for seed, wall in table["wall_s"].items():
+        print(f"  seed {seed} stage wall s: {wall}")
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, type=Path, help="working folder (kept: finished seeds are reused)")
+    ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
+    ap.add_argument("--gsm8k", default=None, help="local GSM8K folder (default: $GSM8K)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--report", action="store_true", help="only report the seeds already finished")
+    args = ap.parse_args()
+    overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
+    print(machine_line(1))
+    if args.report:
+        results = [json.loads(p.read_text()) for p in sorted(args.work.glob("seed-*/scores.json"))]
+    else:
+        data = prepare(args.work, args.params, args.gsm8k or default_gsm8k(), overrides)
+        with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(train_seed, args.work, args.params, data, s, overrides) for s in args.seeds]
+            results = [f.result() for f in futures]
+    if not results:
+        raise SystemExit(f"no finished seed under {args.work}")
+    table = report(sorted(results, key=lambda r: r["seed"]))
+    print(json.dumps({"overrides": args.overrides, **table}))
+
+
+if __name__ == "__main__":
+    main()
