@@ -1,7 +1,7 @@
 """Evaluation-only flow: score existing checkpoints without re-training.
 
-``checkpoints`` names folders under ``checkpoints/`` (``sft``, ``warmup``, ``grpo``), i.e. it overrides
-``evaluate.stages``; like every overridden run it is a DVC experiment (the workspace is left as it
+``checkpoints`` names folders under ``checkpoints/`` (``sft``, ``control``, ``warmup``, ``grpo``), i.e. it
+overrides ``evaluate.stages``; like every overridden run it is a DVC experiment (the workspace is left as it
 is, ``dvc exp show`` lists the result). Without checkpoints it runs the evaluate stage through DVC
 in the workspace (a no-op when it is up to date)::
 

@@ -1,4 +1,4 @@
-"""The whole pipeline as one Prefect flow: prepare -> sft -> warmup -> grpo -> evaluate.
+"""The whole pipeline as one Prefect flow: prepare -> sft -> warmup -> control -> grpo -> evaluate.
 
 Each task runs its DVC stage (``dvc repro --single-item``), so DVC decides what is up to date and a
 flow run leaves the same ``dvc.lock``, cache and files as ``dvc repro``. Without overrides the flow
@@ -40,7 +40,8 @@ from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeli
 from tasks.stages import STAGE_TASKS, changed_stages
 
 EVAL_ARTIFACT_KEY = "grpo-eval"
-TRAINING_STAGES = ("sft", "warmup", "grpo")
+TRAINING_STAGES = ("sft", "warmup", "control", "grpo")
+SFT_SERIES = ("sft", "control")  # step-indexed series (plots/<stage>.csv with sft.csv's columns)
 
 
 # --------------------------------------------------------------------------- overrides
@@ -122,7 +123,7 @@ def _sft_summary(csv: Path) -> dict[str, Any]:
 def publish_stage(cfg: Config, result: dict[str, Any], parent_run_id: str | None) -> None:
     stage, work = result["stage"], Path(result["workdir"])
     csv = work / PLOTS_DIR / f"{stage}.csv"
-    summary = _sft_summary(csv) if stage == "sft" else training_summary(csv)
+    summary = _sft_summary(csv) if stage in SFT_SERIES else training_summary(csv)
     link = run_link(cfg, parent_run_id, stage) if result["status"] == "ran" else None
     create_markdown_artifact(stage_markdown(stage, result["status"], summary, link), key=f"grpo-{stage}",
                              description=f"{stage}: training summary")

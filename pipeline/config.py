@@ -26,7 +26,7 @@ CHECKPOINT_DIR = "checkpoints"
 METRICS_DIR = "metrics"
 PLOTS_DIR = "plots"
 REPORTS_DIR = "reports"
-STAGES = ("prepare", "sft", "warmup", "grpo", "evaluate")
+STAGES = ("prepare", "sft", "warmup", "control", "grpo", "evaluate")
 
 
 @dataclass
@@ -137,8 +137,28 @@ class SFTConfig:
     """Resumable checkpoints kept."""
     max_nonfinite: int = 3
     """Stop with an error after this many consecutive non-finite steps."""
+    arith_examples: int = 0
+    """Worked arithmetic solutions SFT learns from: the first N rows of the training stream (0 = all of it);
+    GRPO's warmup still draws its problems (questions and verified answers only) from the whole stream."""
     seed: int = 0
     """Seed for init, batching and dropout."""
+
+
+@dataclass
+class ControlConfig:
+    """the warmup's equal-compute baseline: SFT continued from the SFT checkpoint on the same worked-example budget"""
+
+    steps: int = 1000
+    """Optimizer steps of continued SFT; the default is set so the stage takes about the warmup's wall time on
+    a 2-core CPU, docs/results/learning.md."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (a fresh optimizer; the other SFT settings are `sft`'s)."""
+    warmup_steps: int = 50
+    """Linear LR warmup steps, then cosine decay to 10% of `lr`."""
+    eval_every: int = 250
+    """Steps between validation loss and held-out arithmetic accuracy."""
+    seed: int = 0
+    """Seed for batching and dropout."""
 
 
 @dataclass
@@ -242,7 +262,7 @@ WARMUP_DEFAULTS: dict[str, Any] = dict(
 class EvalConfig:
     """greedy GSM8K test + held-out arithmetic accuracy of each stage's checkpoint"""
 
-    stages: list[str] = field(default_factory=lambda: ["sft", "warmup", "grpo"])
+    stages: list[str] = field(default_factory=lambda: ["sft", "control", "warmup", "grpo"])
     """Checkpoints evaluated, in order."""
     gsm8k_limit: int = 0
     """GSM8K test problems evaluated; 0 = all 1,319."""
@@ -289,6 +309,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     warmup: WarmupConfig = field(default_factory=lambda: WarmupConfig(**WARMUP_DEFAULTS))
+    control: ControlConfig = field(default_factory=ControlConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     evaluate: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

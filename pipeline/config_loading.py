@@ -24,6 +24,7 @@ from pipeline.config import Config, ConfigError, GRPOConfig
 
 # --------------------------------------------------------------------------- validation
 
+EVAL_STAGES = ("sft", "control", "warmup", "grpo")  # the training stages whose checkpoint evaluate scores
 _REWARD_SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 
 
@@ -94,6 +95,8 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("sft.save_every", s.save_every >= 1, "an integer >= 1"),
         ("sft.keep_last", s.keep_last >= 1, "an integer >= 1"),
         ("sft.max_nonfinite", s.max_nonfinite >= 1, "an integer >= 1"),
+        ("sft.arith_examples", s.arith_examples >= 0, "an integer >= 0 (0 = all)"),
+        *_control_rules(cfg),
         ("evaluate.gsm8k_limit", e.gsm8k_limit >= 0, "an integer >= 0 (0 = all)"),
         ("evaluate.arith_limit", e.arith_limit >= 0, "an integer >= 0 (0 = all)"),
         ("evaluate.batch_size", e.batch_size >= 1, "an integer >= 1"),
@@ -103,10 +106,20 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
          "a list drawn from gsm8k, arith"),
         ("evaluate.temperature", e.temperature > 0, "a number > 0"),
         ("evaluate.top_p", 0.0 < e.top_p <= 1.0, "a number in (0, 1]"),
-        ("evaluate.stages", bool(e.stages) and all(x in ("sft", "warmup", "grpo") for x in e.stages),
-         "a non-empty list drawn from sft, warmup, grpo"),
+        ("evaluate.stages", bool(e.stages) and all(x in EVAL_STAGES for x in e.stages),
+         f"a non-empty list drawn from {', '.join(EVAL_STAGES)}"),
         ("tracking.experiment", bool(cfg.tracking.experiment.strip()), "a non-empty name"),
         ("tracking.log_model_max_mb", cfg.tracking.log_model_max_mb >= 0, "a number >= 0 (0 = never)"),
+    ]
+
+
+def _control_rules(cfg: Config) -> list[tuple[str, bool, str]]:
+    c = cfg.control
+    return [
+        ("control.steps", c.steps >= 0, "an integer >= 0"),
+        ("control.lr", c.lr > 0, "a number > 0"),
+        ("control.warmup_steps", c.warmup_steps >= 0, "an integer >= 0"),
+        ("control.eval_every", c.eval_every >= 0, "an integer >= 0"),
     ]
 
 

@@ -27,7 +27,7 @@ def _cell(value) -> str:
 
 
 def headline_table(root: str | Path = ".") -> str:
-    """One row per checkpoint (sft, warmup, grpo): final training signals and evaluation accuracy."""
+    """One row per checkpoint (sft, control, warmup, grpo): final training signals and evaluation accuracy."""
     train = _read(Path(root) / METRICS_DIR / "train.json")
     evals = _read(Path(root) / METRICS_DIR / "eval.json")
     stages = list(dict.fromkeys([*evals, *train]))

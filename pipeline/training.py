@@ -132,9 +132,11 @@ def check_weights(params: list[torch.Tensor], optimizer: torch.optim.Optimizer |
         "intact; lower the stage's lr")
 
 
-def count_nonfinite(state, finite: bool, max_nonfinite: int, stage: str, where: str, resume_dir) -> None:
+def count_nonfinite(state, finite: bool, max_nonfinite: int, stage: str, where: str, resume_dir,
+                    max_section: str | None = None) -> None:
     """Count a skipped step in `state.skipped` / `state.nonfinite_run` (reset by a finite one); raise
-    TrainingDivergedError at `max_nonfinite` in a row."""
+    TrainingDivergedError at `max_nonfinite` in a row (`max_section`: the params section holding
+    `max_nonfinite`, if not the stage's own)."""
     if finite:
         state.nonfinite_run = 0
         return
@@ -143,4 +145,4 @@ def count_nonfinite(state, finite: bool, max_nonfinite: int, stage: str, where: 
     if state.nonfinite_run >= max_nonfinite:
         raise TrainingDivergedError(
             f"{stage}: {state.nonfinite_run} consecutive non-finite steps at {where}; stopped. The last good "
-            f"checkpoint in {resume_dir} is intact; lower {stage}.lr or raise {stage}.max_nonfinite")
+            f"checkpoint in {resume_dir} is intact; lower {stage}.lr or raise {max_section or stage}.max_nonfinite")

@@ -195,9 +195,11 @@ def _stage_task(name: str, retry, doc: str) -> Task:
 prepare = _stage_task("prepare", retry_on_transient, "DVC stage prepare: GSM8K, the arithmetic curriculum, the tokenizer.")
 sft = _stage_task("sft", retry_on_tracking_outage, "DVC stage sft: supervised warm start into checkpoints/sft.")
 warmup = _stage_task("warmup", retry_on_tracking_outage, "DVC stage warmup: GRPO on the curriculum.")
+control = _stage_task("control", retry_on_tracking_outage,
+                      "DVC stage control: SFT trained further, the equal-compute control of the warmup.")
 grpo = _stage_task("grpo", retry_on_tracking_outage, "DVC stage grpo: GRPO on GSM8K into checkpoints/grpo.")
 evaluate = _stage_task("evaluate", retry_on_tracking_outage, "DVC stage evaluate: metrics/, reports/, plots/.")
 
-STAGE_TASKS: dict[str, Task] = {"prepare": prepare, "sft": sft, "warmup": warmup, "grpo": grpo,
-                                "evaluate": evaluate}
+STAGE_TASKS: dict[str, Task] = {"prepare": prepare, "sft": sft, "warmup": warmup, "control": control,
+                                "grpo": grpo, "evaluate": evaluate}
 assert tuple(STAGE_TASKS) == STAGES, "one task per stage, in pipeline order"

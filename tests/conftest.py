@@ -200,11 +200,12 @@ def smoke_outputs() -> set[str]:
     """Every file the smoke pipeline writes (docs/architecture.md), whichever orchestrator runs it."""
     files = {f"data/{n}" for n in ("gsm8k_train.jsonl", "gsm8k_val.jsonl", "gsm8k_test.jsonl", "arith_train.jsonl",
                                    "arith_eval.jsonl", "tokenizer.json", "stats.json")}
-    files |= {f"checkpoints/{s}/{n}" for s in ("sft", "warmup", "grpo")
+    files |= {f"checkpoints/{s}/{n}" for s in ("sft", "warmup", "control", "grpo")
               for n in ("config.json", "manifest.json", "model.safetensors", "state.json", "tokenizer.json")}
-    files |= {f"plots/{n}" for n in ("sft.csv", "warmup.csv", "grpo.csv", "accuracy.csv", "accuracy.png",
-                                     "training_curves.png")}
-    files |= {f"reports/predictions_{s}_{t}.csv" for s in ("sft", "warmup", "grpo") for t in ("gsm8k", "arith")}
+    files |= {f"plots/{n}" for n in ("sft.csv", "warmup.csv", "control.csv", "grpo.csv", "accuracy.csv",
+                                     "accuracy.png", "training_curves.png")}
+    files |= {f"reports/predictions_{s}_{t}.csv" for s in ("sft", "control", "warmup", "grpo")
+              for t in ("gsm8k", "arith")}
     return files | {"metrics/eval.json", "metrics/train.json"}
 
 

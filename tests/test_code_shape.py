@@ -151,7 +151,7 @@ def _closure(module: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("stage", ["prepare", "sft", "warmup", "grpo", "evaluate"])
+@pytest.mark.parametrize("stage", ["prepare", "sft", "warmup", "control", "grpo", "evaluate"])
 def test_dvc_deps_cover_the_code_each_stage_runs(stage):
     """Every pipeline module a stage imports (transitively) is a dep of its DVC stage, so editing
     it re-runs the stage; observability-only modules are left out on purpose."""
@@ -159,7 +159,7 @@ def test_dvc_deps_cover_the_code_each_stage_runs(stage):
 
     deps = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["deps"]
     code = [d.rstrip("/") for d in deps if d.startswith("pipeline")]
-    module = f"pipeline.stages.{'grpo' if stage in ('warmup', 'grpo') else stage}"
+    module = f"pipeline.stages.{ {'warmup': 'grpo', 'control': 'sft'}.get(stage, stage)}"
     missing = []
     for m in sorted(_closure(module) | {module}):
         if m.startswith(NOT_DEPS):

@@ -81,7 +81,7 @@ def test_dump_round_trips():
     ("grpo.dynamic_sampling=3", r"grpo\.dynamic_sampling = 3 has the wrong type; expected true or false"),
     ("grpo.lr=true", r"grpo\.lr = True has the wrong type; expected a number"),
     ("grpo.adv_norm=grup", r"grpo\.adv_norm = 'grup' is not allowed \(did you mean 'group'\?\); allowed: group, batch, none"),
-    ("evaluate.stages=[sft, ppo]", r"evaluate\.stages .*sft, warmup, grpo"),
+    ("evaluate.stages=[sft, ppo]", r"evaluate\.stages .*sft, control, warmup, grpo"),
     ("model.backend=hf", r"model\.backend .*model\.init"),
 ])
 def test_bad_values_name_the_key(override, pattern):

@@ -51,7 +51,7 @@ def test_stages_commands_and_params_mirror_the_config():
         assert {p.split(".")[0] for p in st["params"]} <= sections and "tracking" not in st["params"]
     # the hf backend's prepare uses the model's own tokenizer (and chat template): those two model keys
     assert stages["prepare"]["params"] == ["data", "model.backend", "model.init"]
-    for name in ("sft", "warmup", "grpo", "evaluate"):
+    for name in ("sft", "warmup", "control", "grpo", "evaluate"):
         assert name in stages[name]["params"] or name == "evaluate" and "evaluate" in stages[name]["params"]
 
 
@@ -75,7 +75,7 @@ def test_deps_exist_or_come_from_upstream_and_outs_follow_the_layout():
         outs = _outs(st)
         produced |= set(outs)
         assert not any(".resume" in p for p in outs), "resumable state must survive `dvc repro`"
-        if name in ("sft", "warmup", "grpo"):
+        if name in ("sft", "warmup", "control", "grpo"):
             assert outs[f"checkpoints/{name}"]["kind"] == "outs"
             assert outs[f"plots/{name}.csv"] == {"kind": "plots", "cache": False}
     ev = _outs(stages["evaluate"])
@@ -89,6 +89,9 @@ def test_deps_exist_or_come_from_upstream_and_outs_follow_the_layout():
         assert top[signal]["x"] == "iteration" and top[signal]["y"] == {"plots/warmup.csv": signal,
                                                                         "plots/grpo.csv": signal}
     assert top["sft_loss"]["x"] == "step"
+    assert top["sft_loss"]["y"] == {"plots/sft.csv": ["loss", "val_loss"], "plots/control.csv": ["loss", "val_loss"]}
+    assert "checkpoints/sft" in stages["control"]["deps"] and "checkpoints/control" in stages["evaluate"]["deps"]
+    assert stages["control"]["params"] == ["data", "model", "sft", "control"]  # sft's settings drive its loop
     assert top["accuracy"]["template"] == "accuracy_by_task"
     template = json.loads((REPO / ".dvc" / "plots" / "accuracy_by_task.json").read_text())
     assert template["encoding"]["row"]["field"] == "task"  # grouped by task

@@ -400,7 +400,7 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     assert first["metrics"] == second["metrics"]
 
     metrics = json.loads(snapshot["metrics/eval.json"])
-    assert list(metrics) == ["sft", "warmup", "grpo"]
+    assert list(metrics) == ["sft", "control", "warmup", "grpo"]
     for m in metrics.values():
         assert {"gsm8k_accuracy", "arith_accuracy", "format_rate", "gsm8k_pass_at_2", "gsm8k_maj_at_2"} <= set(m)
         assert not any(k.startswith(("arith_pass", "arith_maj")) for k in m)

@@ -43,6 +43,7 @@ EXACT = {
     "prepare": ["data/*"],
     "sft": ["checkpoints/sft/model.safetensors", "checkpoints/sft/tokenizer.json"],
     "warmup": ["checkpoints/warmup/model.safetensors"],
+    "control": ["checkpoints/control/model.safetensors"],
     "grpo": ["checkpoints/grpo/model.safetensors"],
     "evaluate": ["metrics/eval.json", "reports/*", "plots/accuracy.csv"],
 }
@@ -125,7 +126,8 @@ def test_kill_9_at_random_moments_then_rerun_is_bit_identical(reference, tmp_pat
 
 # --------------------------------------------------------------------------- full disk
 
-FILE_LIMIT = {"prepare": 32_000, "sft": 32_000, "warmup": 32_000, "grpo": 32_000, "evaluate": 8_000}
+FILE_LIMIT = {"prepare": 32_000, "sft": 32_000, "warmup": 32_000, "control": 32_000, "grpo": 32_000,
+              "evaluate": 8_000}
 
 
 def _limit(nbytes: int):

@@ -139,7 +139,7 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     assert state.is_completed(), state
     out, flow_run_id = state.result(), state.state_details.flow_run_id
     assert {s: out[s]["status"] for s in STAGES} == {"prepare": "skipped", "sft": "skipped", "warmup": "skipped",
-                                                      "grpo": "ran", "evaluate": "ran"}
+                                                      "control": "skipped", "grpo": "ran", "evaluate": "ran"}
     assert {p: (repo / p).read_bytes() for p in before} == before  # the workspace as it was found
     assert "up to date" in sh(repo, "dvc", "status")
     data = experiment(repo, out["experiment"])  # `dvc exp show` lists it, with its param and metrics
@@ -154,7 +154,8 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     assert all(logs[runs[s].id] for s in STAGES), logs
     assert any(m.startswith("grpo 3/3") for m in logs[runs["grpo"].id]), logs[runs["grpo"].id]
     arts = {a.key: a for a in artifacts_of(flow_run_id)}
-    assert {"grpo-sft", "grpo-warmup", "grpo-grpo", "grpo-eval"} <= set(arts)
+    assert {"grpo-sft", "grpo-warmup", "grpo-control", "grpo-grpo", "grpo-eval"} <= set(arts)
+    assert "| loss |" in arts["grpo-control"].data  # the control's series is read like sft's
     assert "| reward |" in arts["grpo-grpo"].data and "runs:/" in arts["grpo-grpo"].data
 
     # MLflow: the bare `dvc repro` logged one top-level run per stage; each flow run one parent
@@ -198,7 +199,7 @@ def test_smoke_pipeline_through_flow(tmp_path, harness, monkeypatch):
     arts = {a.key: a for a in artifacts_of(flow_run_id)}
     assert "grpo-eval" in arts
     metrics = json.loads((flow_dir / "metrics" / "eval.json").read_text())
-    assert set(metrics) == {"sft", "warmup", "grpo"}
+    assert set(metrics) == {"sft", "control", "warmup", "grpo"}
     assert str(metrics["grpo"]) and "grpo" in str(arts["grpo-eval"].data)
 
     assert output_files(flow_dir) == smoke_outputs()  # test_dvc checks `dvc repro` gives the same set

@@ -182,7 +182,7 @@ def test_smoke_pipeline_logs_to_mlflow_server(tmp_path, mlflow_server):
     parents = [r for r in runs if r.data.tags.get("grpo.role") == "pipeline"]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     stages = {r.data.tags["grpo.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert {"prepare", "sft", "warmup", "grpo", "evaluate"} <= set(stages)
+    assert {"prepare", "sft", "warmup", "control", "grpo", "evaluate"} <= set(stages)
     grpo = stages["grpo"]
     history = client.get_metric_history(grpo.info.run_id, "grpo/reward")
     steps = [m.step for m in history]  # one point per iteration, stepped by iteration

@@ -19,6 +19,7 @@ _REGISTRY: dict[str, tuple[str, str, tuple[Any, ...]]] = {
     "prepare": ("pipeline.stages.prepare", "run_prepare", ()),
     "sft": ("pipeline.stages.sft", "run_sft", ()),
     "warmup": ("pipeline.stages.grpo", "run_grpo", ("warmup",)),
+    "control": ("pipeline.stages.sft", "run_sft", ("control",)),
     "grpo": ("pipeline.stages.grpo", "run_grpo", ("grpo",)),
     "evaluate": ("pipeline.stages.evaluate", "run_evaluate", ()),
 }

@@ -1,5 +1,8 @@
-"""sft: supervised warm start on the arithmetic curriculum and GSM8K worked solutions.
+"""sft: supervised warm start on the arithmetic curriculum and GSM8K worked solutions; control: the same
+SFT continued from the SFT checkpoint, the equal-compute baseline of the warmup.
 
+The arithmetic worked solutions are the first `sft.arith_examples` rows of `data/arith_train.jsonl`
+(0: all of them), the budget of worked examples; the warmup draws its problems from the whole file.
 Each step draws `round(sft.batch_size * sft.arith_fraction)` sequences from the arithmetic stream
 and the rest from GSM8K train (each source in seeded, reshuffled epochs). A sequence is
 `prompt ids + response ids + eos`, with prompt and response tokenized separately exactly as a rollout
@@ -18,6 +21,13 @@ The loop has GRPO's shape and policies: a plain :class:`SFTState`, resumable eve
 `sft.save_every` steps through :mod:`pipeline.resume` (`checkpoints/sft.resume/`; a re-run after a
 kill continues bit-identically on CPU), non-finite steps skipped and counted with
 `sft.max_nonfinite` in a row stopping the stage, one progress bar and the `pipeline` logger.
+
+control (`run_sft(cfg, "control")`): the weights of `checkpoints/sft/` (and its tokenizer), a fresh
+AdamW, and this loop with `sft`'s data, budget and batch settings for `control.steps` steps (LR
+`control.lr`, `control.warmup_steps`, `control.eval_every`, `control.seed`): the warmup's
+update count or wall time spent on more SFT instead of GRPO. With `model.lora_rank` the control trains
+LoRA adapters, as the warmup does. Writes `checkpoints/control/`, `plots/control.csv` (sft.csv's
+columns) and resumes from `checkpoints/control.resume/`; metrics are `control/...`.
 
 Skip: when `model.init` is set (a checkpoint folder of this pipeline, or a HF model id/folder with
 backend `hf`) the stage does not train: it loads that model on the CPU and saves it unchanged as
@@ -41,12 +51,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeline.checkpoint import init_policy, save_policy
-from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config
+from pipeline.checkpoint import init_policy, load_policy, save_policy
+from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
 from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
 from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_accuracy
+from pipeline.model.lora import add_lora
 from pipeline.model.policy import Policy, build_policy
 from pipeline.progress import progress_bar
 from pipeline.resume import load_resume, resume_key, save_resume
@@ -58,6 +69,7 @@ log = logging.getLogger(__name__)
 
 CSV_COLUMNS = ("step", "loss", "val_loss", "arith_accuracy")
 OUT, CSV, RESUME = Path(CHECKPOINT_DIR) / "sft", Path(PLOTS_DIR) / "sft.csv", Path(CHECKPOINT_DIR) / "sft.resume"
+SFT_STAGES = ("sft", "control")
 EVAL_BATCH = 64  # sequences per validation-loss batch
 
 Example = tuple[list[int], int]  # (prompt + response + eos token ids, number of prompt tokens)
@@ -208,6 +220,11 @@ class SFTRun:
     """What stays fixed for the stage: data, tokenizer, batch order, policy, optimizer."""
 
     cfg: Config
+    stage: str  # sft or control
+    conf: SFTConfig  # the loop's settings: cfg.sft, or for the control cfg.sft with control's schedule
+    out: Path  # checkpoints/<stage>
+    csv: Path  # plots/<stage>.csv
+    resume: Path  # checkpoints/<stage>.resume
     tok: Any
     batches: MixedBatches
     val: list[Example]
@@ -218,20 +235,20 @@ class SFTRun:
     optimizer: torch.optim.Optimizer
 
 
-def run_sft(cfg: Config) -> dict[str, Any]:
-    """The SFT stage (see the module docstring): the same loop shape as GRPO's, over SFTState."""
-    s = cfg.sft
-    if cfg.model.init:
+def run_sft(cfg: Config, stage: str = "sft") -> dict[str, Any]:
+    """The SFT stage, or the control (see the module docstring): the same loop shape as GRPO's, over SFTState."""
+    if stage == "sft" and cfg.model.init:
         return _copy_init(cfg, OUT, CSV)
     started = time.monotonic()
-    run = setup(cfg)
-    key = compatibility_key(cfg)
-    state = load_resume(RESUME, key, SFTState, run.policy, run.optimizer, None) or SFTState()
+    run = setup(cfg, stage)
+    s = run.conf
+    key = compatibility_key(cfg, stage)
+    state = load_resume(run.resume, key, SFTState, run.policy, run.optimizer, None) or SFTState()
     if state.batches:
         run.batches.load(state.batches)
-    with stage_logger(cfg, "sft") as tracker, progress_bar() as bar:
-        tracker.log_params({"sft/num_params": run.policy.num_params(), "sft/dropped_long": run.dropped})
-        task = bar.add_task("sft", total=s.steps, completed=state.step, info="")
+    with stage_logger(cfg, stage) as tracker, progress_bar() as bar:
+        tracker.log_params({f"{stage}/num_params": run.policy.num_params(), f"{stage}/dropped_long": run.dropped})
+        task = bar.add_task(stage, total=s.steps, completed=state.step, info="")
         run.policy.train()
         while state.step < s.steps:
             state.step += 1
@@ -243,30 +260,30 @@ def run_sft(cfg: Config) -> dict[str, Any]:
             bar.update(task, completed=step, info=f"loss {loss:.3f}")
             # --- log, evaluate, save ----------------------------------------------------------------
             if step % s.log_every == 0 or last:
-                log_loss(tracker, state, lr, s.steps)
+                log_loss(tracker, run.stage, state, lr, s.steps)
             if (s.eval_every and step % s.eval_every == 0) or last:
                 evaluate(run, state, tracker)
-                write_series(CSV, state.series)
+                write_series(run.csv, state.series)
             if step % s.save_every == 0 and not last:
                 state.batches = run.batches.state()
-                save_resume(RESUME, step, key, state, run.policy, run.optimizer, None, s.keep_last)
+                save_resume(run.resume, step, key, state, run.policy, run.optimizer, None, s.keep_last)
         if s.steps == 0:  # nothing trained: still report the initial model
             state.final = held_out(run)
             _record(state.series, 0, state.final)
         wall = time.monotonic() - started
-        save_policy(OUT, run.policy, extra_state={"stage": "sft", "step": s.steps, "seed": s.seed, **state.final})
-        write_series(CSV, state.series)
-        tracker.log_metrics({"sft/wall_s": wall}, step=s.steps)
-        tracker.log_artifact(CSV)
-    shutil.rmtree(RESUME, ignore_errors=True)
-    return {"checkpoint": str(OUT), "plots": str(CSV), "steps": s.steps, "num_params": run.policy.num_params(),
+        save_policy(run.out, run.policy, extra_state={"stage": stage, "step": s.steps, "seed": s.seed, **state.final})
+        write_series(run.csv, state.series)
+        tracker.log_metrics({f"{stage}/wall_s": wall}, step=s.steps)
+        tracker.log_artifact(run.csv)
+    shutil.rmtree(run.resume, ignore_errors=True)
+    return {"checkpoint": str(run.out), "plots": str(run.csv), "steps": s.steps, "num_params": run.policy.num_params(),
             "dropped_long": run.dropped, **state.final, "wall_s": round(wall, 1), "skipped_steps": state.skipped}
 
 
 def sft_step(run: SFTRun, state: SFTState) -> float:
     """Token-mean response NLL over the whole batch, one forward/backward per source, then a step
     unless the loss or gradient is non-finite (skipped and counted, pipeline.training)."""
-    s, policy, optimizer = run.cfg.sft, run.policy, run.optimizer
+    s, policy, optimizer = run.conf, run.policy, run.optimizer
     parts = run.batches.next()
     n_tokens = sum(len(ids) - n_prompt for part in parts for ids, n_prompt in part)
     optimizer.zero_grad(set_to_none=True)
@@ -278,18 +295,19 @@ def sft_step(run: SFTRun, state: SFTState) -> float:
         loss += float(part_loss.detach())
     params = [p for p in policy.parameters() if p.requires_grad]
     norm = step_if_finite(optimizer, params, s.grad_clip, torch.tensor(loss))
-    count_nonfinite(state, norm is not None, s.max_nonfinite, "sft", f"step {state.step}", RESUME)
+    count_nonfinite(state, norm is not None, s.max_nonfinite, run.stage, f"step {state.step}", run.resume,
+                    "sft")
     if norm is not None:
         state.window.append(loss)
     return loss
 
 
-def log_loss(tracker: Logger, state: SFTState, lr: float, total: int) -> None:
+def log_loss(tracker: Logger, stage: str, state: SFTState, lr: float, total: int) -> None:
     mean_loss = sum(state.window) / len(state.window) if state.window else float("nan")
     state.window.clear()
     _record(state.series, state.step, {"loss": mean_loss})
-    tracker.log_metrics({"sft/loss": mean_loss, "sft/lr": lr}, step=state.step)
-    log.info("sft step %d/%d loss %.4f lr %.2e", state.step, total, mean_loss, lr)
+    tracker.log_metrics({f"{stage}/loss": mean_loss, f"{stage}/lr": lr}, step=state.step)
+    log.info("%s step %d/%d loss %.4f lr %.2e", stage, state.step, total, mean_loss, lr)
 
 
 def held_out(run: SFTRun) -> dict[str, float | None]:
@@ -301,17 +319,45 @@ def held_out(run: SFTRun) -> dict[str, float | None]:
 def evaluate(run: SFTRun, state: SFTState, tracker: Logger) -> None:
     state.final = held_out(run)
     _record(state.series, state.step, state.final)
-    tracker.log_metrics({f"sft/{k}": v for k, v in state.final.items() if v is not None}, step=state.step)
-    log.info("sft step %d val_loss %s arith_accuracy %s", state.step, state.final["val_loss"],
+    tracker.log_metrics({f"{run.stage}/{k}": v for k, v in state.final.items() if v is not None}, step=state.step)
+    log.info("%s step %d val_loss %s arith_accuracy %s", run.stage, state.step, state.final["val_loss"],
              state.final["arith_accuracy"])
 
 
-def setup(cfg: Config) -> SFTRun:
-    """Seeded; tokenizer, data, batch order, policy and optimizer at step 0."""
-    s, data = cfg.sft, Path(DATA_DIR)
+def stage_config(cfg: Config, stage: str) -> SFTConfig:
+    """The loop's settings: `sft`, or for the control `sft` with the control's steps, schedule and seed."""
+    if stage not in SFT_STAGES:
+        raise ValueError(f"stage={stage!r}; allowed: {', '.join(SFT_STAGES)}")
+    if stage == "sft":
+        return cfg.sft
+    c = cfg.control
+    return dataclasses.replace(cfg.sft, steps=c.steps, lr=c.lr, warmup_steps=c.warmup_steps,
+                               eval_every=c.eval_every, seed=c.seed)
+
+
+def start_policy(cfg: Config) -> Policy:
+    """The control's start: the weights and tokenizer of checkpoints/sft, in this run's dtype and device."""
+    if not (OUT / "config.json").is_file():
+        raise InputError(f"{OUT}: checkpoint not found; the control continues it, so run the sft stage first "
+                         "(`python -m pipeline sft`)")
+    policy = load_policy(OUT, device=cfg.model.device)
+    policy.set_compute_dtype(cfg.model.dtype)
+    if cfg.model.gradient_checkpointing and not policy.recompute:
+        policy.enable_recompute()
+    if cfg.model.lora_rank:  # trained like the warmup it is the baseline of: adapters on the SFT model
+        add_lora(policy, cfg.model)
+    return policy
+
+
+def setup(cfg: Config, stage: str = "sft") -> SFTRun:
+    """Seeded; tokenizer, data, batch order, policy and optimizer at step 0. The control's policy and
+    tokenizer are checkpoints/sft's; the SFT's a fresh model over data/tokenizer.json."""
+    s, data = stage_config(cfg, stage), Path(DATA_DIR)
     seed_everything(s.seed)
-    tok = _load_tokenizer()
-    arith, dropped_a = encode_examples(tok, read_rows(data / "arith_train.jsonl"), s.max_len)
+    start = start_policy(cfg) if stage == "control" else None
+    tok = start.tokenizer if start is not None else _load_tokenizer()
+    budget = read_rows(data / "arith_train.jsonl")[: s.arith_examples or None]  # the worked-example budget
+    arith, dropped_a = encode_examples(tok, budget, s.max_len)
     gsm, dropped_g = encode_examples(tok, read_rows(data / "gsm8k_train.jsonl"), s.max_len)
     val, _ = encode_examples(tok, read_rows(data / "gsm8k_val.jsonl"), cfg.model.block_size)
     eval_rows = read_rows(data / "arith_eval.jsonl")[: s.eval_samples]
@@ -324,14 +370,19 @@ def setup(cfg: Config) -> SFTRun:
     eval_prompt = max((len(p) for p in tok.encode_batch([r["prompt"] for r in eval_rows])), default=0)
     eval_resp = max((len(r) for r in tok.encode_batch([response_text(r["solution"]) for r in eval_rows])), default=0)
     max_new = max(1, min(eval_resp + 8, cfg.model.block_size - eval_prompt))
-    policy = build_policy(cfg.model, tok)
+    policy = start if start is not None else build_policy(cfg.model, tok)
     optimizer = build_optimizer(policy.module, s.lr, s.weight_decay)
-    return SFTRun(cfg, tok, batches, val, eval_rows, max_new, dropped_a + dropped_g, policy, optimizer)
+    ckpt = Path(CHECKPOINT_DIR)
+    return SFTRun(cfg, stage, s, ckpt / stage, Path(PLOTS_DIR) / f"{stage}.csv", ckpt / f"{stage}.resume", tok,
+                  batches, val, eval_rows, max_new, dropped_a + dropped_g, policy, optimizer)
 
 
-def compatibility_key(cfg: Config) -> str:
-    """The resume key: a resume state from other params or data is ignored."""
+def compatibility_key(cfg: Config, stage: str = "sft") -> str:
+    """The resume key: a resume state from other params or data (the control: or SFT weights) is ignored."""
     data = Path(DATA_DIR)
     files = [data / f for f in ("arith_train.jsonl", "gsm8k_train.jsonl", "gsm8k_val.jsonl", "arith_eval.jsonl",
                                 "tokenizer.json")]
-    return resume_key({"sft": dataclasses.asdict(cfg.sft), "model": dataclasses.asdict(cfg.model)}, files)
+    if stage == "control":
+        files += sorted(OUT.glob("*.safetensors"))
+    params = {"sft": dataclasses.asdict(stage_config(cfg, stage)), "model": dataclasses.asdict(cfg.model)}
+    return resume_key(params, files)

@@ -6,8 +6,8 @@ Stages do::
         log.log_params(...); log.log_metrics({"train/reward": r}, step=it)
 
 Metric names are namespaced by stage: a stage logger turns the trainer's generic ``train/`` prefix
-into the stage's name, so warmup logs ``warmup/reward`` and grpo ``grpo/kl``; sft logs ``sft/...``
-and evaluation ``eval/<checkpoint>/...``.
+into the stage's name, so warmup logs ``warmup/reward`` and grpo ``grpo/kl``; sft logs ``sft/...``,
+control ``control/...`` and evaluation ``eval/<checkpoint>/...``.
 
 Imports go one way: this facade -> :mod:`pipeline.tracking.mlflow_backend` (the adapter, imported
 lazily, only when tracking is on) -> :mod:`pipeline.tracking.common`; :mod:`pipeline.tracking.compare`

@@ -96,6 +96,7 @@ def experiment_label() -> str | None:
 STAGE_KEY_PARAMS = {  # what tells two runs of a stage apart in a list of run names
     "prepare": ("data.seed",),
     "sft": ("sft.steps", "sft.lr"),
+    "control": ("control.steps", "control.lr"),
     "warmup": ("warmup.iterations", "warmup.kl_coef", "warmup.lr"),
     "grpo": ("grpo.iterations", "grpo.kl_coef", "grpo.lr", "grpo.group_size"),
     "evaluate": ("evaluate.gsm8k_limit",),

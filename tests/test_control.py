@@ -1,0 +1,143 @@
+"""The worked-example budget (`sft.arith_examples`) and the control stage: SFT continued from
+checkpoints/sft for `control.steps` steps, the equal-compute baseline of the warmup."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.errors import InputError
+from pipeline.files import read_rows
+from pipeline.stages import sft
+
+from tests.conftest import GSM8K, REPO, smoke_cfg, weights
+
+
+@pytest.fixture
+def workdir(grpo_workdir):
+    """Prepared smoke data, and as checkpoints/sft a random policy that a fresh build with the
+    control's seed does not reproduce (so starting from the wrong weights shows)."""
+    shutil.rmtree("checkpoints/sft")
+    shutil.move("checkpoints/warmup", "checkpoints/sft")
+    return grpo_workdir
+
+
+def arith_examples_drawn(run: sft.SFTRun, batches: int) -> set[tuple[int, ...]]:
+    """Every arithmetic sequence the batch order yields in `batches` batches."""
+    arith, n_arith = run.batches.parts[0]
+    assert n_arith > 0
+    drawn = set()
+    for _ in range(batches):
+        first = run.batches.next()[0]  # the arithmetic part comes first
+        assert len(first) == n_arith
+        drawn |= {tuple(ids) for ids, _ in first}
+    return drawn
+
+
+@pytest.mark.parametrize("stage", ["sft", "control"])
+def test_the_budget_is_the_first_n_worked_solutions(workdir, stage):
+    """With sft.arith_examples = 5, many epochs of batches show exactly the first 5 rows' sequences,
+    in the SFT and in the control alike; 0 means the whole stream."""
+    rows = read_rows(Path("data/arith_train.jsonl"))
+    run = sft.setup(smoke_cfg("sft.arith_examples=5"), stage)
+    first = {tuple(ids) for ids, _ in sft.encode_examples(run.tok, rows[:5], run.conf.max_len)[0]}
+    assert len(first) == 5
+    assert arith_examples_drawn(run, 20) == first  # 20 batches x 4 arithmetic sequences: 16 epochs
+    whole = sft.setup(smoke_cfg(), stage)
+    assert len(whole.batches.parts[0][0]) == len(rows) > 5
+
+
+def test_the_budget_is_checked_and_keys_the_resume_state(workdir):
+    keys = {sft.compatibility_key(smoke_cfg(*o), stage) for o in ((), ("sft.arith_examples=5",))
+            for stage in sft.SFT_STAGES}
+    assert len(keys) == 4  # a resume state of another budget, or of the other stage, is never picked up
+    with pytest.raises(ConfigError, match="sft.arith_examples.*an integer >= 0"):
+        smoke_cfg("sft.arith_examples=-1")
+    with pytest.raises(ConfigError, match="evaluate.stages.*sft, control, warmup, grpo"):
+        smoke_cfg("evaluate.stages=[sft, controls]")
+
+
+def test_control_starts_from_the_sft_weights_and_trains_on(workdir):
+    """control.steps = 0 saves checkpoints/sft's weights unchanged; control.steps = 4 moves them,
+    with the control's own schedule, and writes its own checkpoint and series."""
+    from pipeline.checkpoint import load_extra_state
+
+    start = weights(Path("checkpoints/sft"))
+    out = sft.run_sft(smoke_cfg("control.steps=0"), "control")
+    assert out["checkpoint"] == "checkpoints/control" and out["steps"] == 0
+    saved = weights(Path("checkpoints/control"))
+    assert saved.keys() == start.keys() and all(torch.equal(saved[k], start[k]) for k in start)
+
+    out = sft.run_sft(smoke_cfg("control.steps=4", "control.eval_every=2", "sft.log_every=1"), "control")
+    moved = weights(Path("checkpoints/control"))
+    assert any(not torch.equal(moved[k], start[k]) for k in start)
+    assert weights(Path("checkpoints/sft")).keys() == start.keys()  # the start is read, never written
+    assert all(torch.equal(weights(Path("checkpoints/sft"))[k], start[k]) for k in start)
+    header, *rows = Path("plots/control.csv").read_text().splitlines()
+    assert header == ",".join(sft.CSV_COLUMNS)
+    assert [r.split(",")[0] for r in rows] == ["1", "2", "3", "4"]
+    assert rows[1].split(",")[3] != "" and rows[0].split(",")[3] == ""  # held-out accuracy every 2 steps
+    state = load_extra_state("checkpoints/control")
+    assert state["stage"] == "control" and state["step"] == 4 and out["steps"] == 4
+    assert not Path("checkpoints/control.resume").exists() and not Path("plots/sft.csv").exists()
+
+
+def test_killed_control_resumes_bit_identically(workdir, monkeypatch, caplog):
+    """Stopped right after its resume state at step 2 and run again, the control ends with the
+    weights and series of an uninterrupted run, bit for bit (CPU); new SFT weights void the state."""
+    cfg = smoke_cfg("control.steps=4", "sft.save_every=2")
+    sft.run_sft(cfg, "control")
+    whole, series = weights(Path("checkpoints/control")), Path("plots/control.csv").read_text()
+
+    class Killed(Exception):
+        pass
+
+    real = sft.save_resume
+
+    def save_then_die(folder, step, *a, **k):
+        real(folder, step, *a, **k)
+        raise Killed
+
+    monkeypatch.setattr(sft, "save_resume", save_then_die)
+    with pytest.raises(Killed):
+        sft.run_sft(cfg, "control")
+    monkeypatch.setattr(sft, "save_resume", real)
+    assert [p.name for p in Path("checkpoints/control.resume").iterdir()] == ["step_000002"]
+    with caplog.at_level("INFO", logger="pipeline"):
+        sft.run_sft(cfg, "control")
+    assert "resuming from checkpoints/control.resume/step_000002" in caplog.text
+    again = weights(Path("checkpoints/control"))
+    assert all(torch.equal(again[k], whole[k]) for k in whole)
+    assert Path("plots/control.csv").read_text() == series
+
+    monkeypatch.setattr(sft, "save_resume", save_then_die)
+    with pytest.raises(Killed):
+        sft.run_sft(cfg, "control")
+    monkeypatch.setattr(sft, "save_resume", real)
+    shutil.rmtree("checkpoints/sft")
+    shutil.copytree("checkpoints/control", "checkpoints/sft")  # other start weights: the state is stale
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipeline"):
+        sft.run_sft(cfg, "control")
+    assert "ignoring resume state" in caplog.text and "resuming from" not in caplog.text
+
+
+def test_missing_sft_checkpoint_is_one_line_and_exit_2(workdir):
+    shutil.rmtree("checkpoints/sft")
+    with pytest.raises(InputError, match=r"checkpoints/sft: checkpoint not found.*the sft stage"):
+        sft.run_sft(smoke_cfg(), "control")
+    cmd = [sys.executable, "-m", "pipeline", "control", "--params", str(REPO / "configs" / "smoke.yaml"),
+           "--set", f"data.gsm8k_source={GSM8K}"]
+    proc = subprocess.run(cmd, cwd=workdir, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "checkpoints/sft: checkpoint not found" in lines[0] and "sft stage" in lines[0]
+    assert not Path("checkpoints/control").exists()
