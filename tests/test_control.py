@@ -141,3 +141,22 @@ def test_missing_sft_checkpoint_is_one_line_and_exit_2(workdir):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "checkpoints/sft: checkpoint not found" in lines[0] and "sft stage" in lines[0]
     assert not Path("checkpoints/control").exists()
+
+
+def test_control_of_an_hf_init_model_trains_with_the_models_tokenizer(grpo_workdir, hf_dirs):
+    """model.init set: sft copies the HF model, the control fine-tunes that copy, encoding the data
+    with the model's own tokenizer (data/tokenizer.json is the BPE of another model)."""
+    from pipeline.checkpoint import load_policy
+
+    cfg = smoke_cfg("model.backend=hf", f"model.init={hf_dirs['gpt2']}", "model.block_size=128", "sft.max_len=128",
+                    "control.steps=2", "sft.eval_samples=2")
+    sft.run_sft(cfg)
+    start = weights(Path("checkpoints/sft"))
+    out = sft.run_sft(cfg, "control")
+    assert out["steps"] == 2 and out["dropped_long"] < 400
+    policy = load_policy("checkpoints/control", "cpu")
+    assert policy.backend == "hf"
+    moved = weights(Path("checkpoints/control"))
+    assert any(not torch.equal(moved[k], start[k]) for k in start if k in moved)
+    run = sft.setup(cfg, "control")
+    assert run.tok is run.policy.tokenizer and type(run.tok).__name__ == "HFTokenizer"
