@@ -160,3 +160,19 @@ def test_control_of_an_hf_init_model_trains_with_the_models_tokenizer(grpo_workd
     assert any(not torch.equal(moved[k], start[k]) for k in start if k in moved)
     run = sft.setup(cfg, "control")
     assert run.tok is run.policy.tokenizer and type(run.tok).__name__ == "HFTokenizer"
+
+
+def test_control_with_lora_trains_adapters_like_the_warmup(grpo_workdir, hf_dirs):
+    """model.lora_rank > 0: the control trains LoRA adapters on the SFT model, as the warmup does, and
+    saves them merged: only the targeted weights move."""
+    pytest.importorskip("peft")
+    cfg = smoke_cfg("model.backend=hf", f"model.init={hf_dirs['llama']}", "model.block_size=128", "sft.max_len=128",
+                    "model.lora_rank=4", "model.lora_targets=[q_proj, v_proj]", "control.steps=2",
+                    "control.lr=1e-2", "sft.eval_samples=0")
+    sft.run_sft(cfg)
+    start = weights(Path("checkpoints/sft"))
+    sft.run_sft(cfg, "control")
+    moved = weights(Path("checkpoints/control"))
+    assert moved.keys() == start.keys()
+    changed = {k for k in start if not torch.equal(start[k], moved[k])}
+    assert changed and all("q_proj" in k or "v_proj" in k for k in changed), changed

@@ -39,6 +39,8 @@ class HFTokenizer:
         return self.hf.encode(text, add_special_tokens=False)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:  # transformers' fast tokenizers fail on an empty batch
+            return []
         return self.hf(texts, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: Iterable[int]) -> str:
