@@ -173,8 +173,8 @@ def matmul_ceiling(shapes: list[tuple[int, int]], rows: int, repeats: int = 5, d
                    device: str = "cpu") -> float:
     """FLOP/s of the model's own weight matmuls at `rows` rows: (rows x in) @ (in x out) for every
     (out, in) in `shapes`, best of `repeats` each, total FLOPs over total time: what this machine's
-    BLAS gives these shapes, so how far an iteration is from its matmuls' own speed (61-96% of the
-    2048^3 peak for the 4x128 default's weights on 2-core CPUs: docs/results/speed.md)."""
+    BLAS gives these shapes, so how far an iteration is from its matmuls' own speed (82-85% of the
+    best of the iteration's own shapes for the 4x128 default's weights: docs/results/speed.md)."""
     flops = sum(2 * rows * in_f * out_f for out_f, in_f in shapes)
     secs = sum(_best_mm_seconds(rows, in_f, out_f, repeats, dtype, device) for out_f, in_f in shapes)
     return flops / secs
