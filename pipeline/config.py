@@ -108,9 +108,9 @@ class ModelConfig:
 class SFTConfig:
     """SFT warm start on curriculum arithmetic + GSM8K solutions"""
 
-    steps: int = 1850
-    """Optimizer steps of supervised fine-tuning (a warm start: 2000 gives a stronger SFT and a smaller
-    GRPO gain, docs/results/cpu-defaults.md)."""
+    steps: int = 1500
+    """Optimizer steps of supervised fine-tuning (docs/results/learning.md: what this budget reaches and
+    what more SFT would add)."""
     batch_size: int = 16
     """Sequences per step."""
     lr: float = 3e-3
@@ -127,9 +127,9 @@ class SFTConfig:
     """Training sequences longer than this many tokens are dropped."""
     log_every: int = 100
     """Steps between metric logs."""
-    eval_every: int = 500
+    eval_every: int = 250
     """Steps between validation loss and held-out arithmetic accuracy."""
-    eval_samples: int = 100
+    eval_samples: int = 200
     """Held-out arithmetic problems scored greedily at each evaluation."""
     save_every: int = 500
     """Steps between resumable checkpoints."""
@@ -137,7 +137,7 @@ class SFTConfig:
     """Resumable checkpoints kept."""
     max_nonfinite: int = 3
     """Stop with an error after this many consecutive non-finite steps."""
-    arith_examples: int = 0
+    arith_examples: int = 2000
     """Worked arithmetic solutions SFT learns from: the first N rows of the training stream (0 = all of it);
     GRPO's warmup still draws its problems (questions and verified answers only) from the whole stream."""
     seed: int = 0
@@ -148,14 +148,14 @@ class SFTConfig:
 class ControlConfig:
     """the warmup's equal-compute baseline: SFT continued from the SFT checkpoint on the same worked-example budget"""
 
-    steps: int = 1000
+    steps: int = 1800
     """Optimizer steps of continued SFT; the default is set so the stage takes about the warmup's wall time on
     a 2-core CPU, docs/results/learning.md."""
     lr: float = 1e-3
     """Peak AdamW learning rate (a fresh optimizer; the other SFT settings are `sft`'s)."""
     warmup_steps: int = 50
     """Linear LR warmup steps, then cosine decay to 10% of `lr`."""
-    eval_every: int = 250
+    eval_every: int = 300
     """Steps between validation loss and held-out arithmetic accuracy."""
     seed: int = 0
     """Seed for batching and dropout."""
