@@ -94,7 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default=str(Path(__file__).resolve().parents[1] / "params.yaml"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    ap.add_argument("--gsm8k", default=None, help="local GSM8K copy (default: the shared one)")
+    ap.add_argument("--gsm8k", default=None, help="local GSM8K copy (default: $GSM8K)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a small CPU shared with other jobs more threads thrash)")
     ap.add_argument("--iters", type=int, default=1, help="timed iterations after one warm-up iteration")

@@ -3,7 +3,7 @@ and warmup checkpoints over several seeds, with 95% intervals over the held-out 
 
 For each seed s it runs the stages ``sft``, ``warmup`` and ``control`` of the given params (each
 stage's own seed set to s) in its own working folder under ``--work``, all sharing one prepared
-``data/``, ``--jobs`` seeds at a time (one torch thread each); then scores every checkpoint
+``data/``, ``--jobs`` seeds at a time (one torch thread each; a re-run keeps the stages that finished); then scores every checkpoint
 greedily on the whole held-out set (``data/arith_eval.jsonl``) with the training verifier.
 
 Reported, per checkpoint: the mean accuracy over seeds with a 95% interval from a two-level
@@ -71,8 +71,9 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
     sets = [*overrides, f"sft.seed={seed}", f"warmup.seed={seed}", f"control.seed={seed}"]
     wall = {}
     with open(folder / "stages.log", "a") as log:
-        for stage in TRAIN_ORDER:
-            wall[stage] = round(run_stage(folder, stage, sets, log), 1)
+        for stage in TRAIN_ORDER:  # a stage whose checkpoint exists finished (checkpoints appear atomically)
+            if not (folder / "checkpoints" / stage / "config.json").is_file():
+                wall[stage] = round(run_stage(folder, stage, sets, log), 1)
     result = {"seed": seed, "wall_s": wall, "correct": score(folder), "sft_curve": sft_curve(folder)}
     done.write_text(json.dumps(result))
     return result
