@@ -108,9 +108,9 @@ class ModelConfig:
 class SFTConfig:
     """SFT warm start on curriculum arithmetic + GSM8K solutions"""
 
-    steps: int = 1500
-    """Optimizer steps of supervised fine-tuning (docs/results/learning.md: what this budget reaches and
-    what more SFT would add)."""
+    steps: int = 1850
+    """Optimizer steps of supervised fine-tuning: a warm start short of SFT's plateau, so the warmup has room
+    to show GRPO learning; more SFT (the `control` stage) gains more, docs/results/learning.md."""
     batch_size: int = 16
     """Sequences per step."""
     lr: float = 3e-3
@@ -137,7 +137,7 @@ class SFTConfig:
     """Resumable checkpoints kept."""
     max_nonfinite: int = 3
     """Stop with an error after this many consecutive non-finite steps."""
-    arith_examples: int = 2000
+    arith_examples: int = 0
     """Worked arithmetic solutions SFT learns from: the first N rows of the training stream (0 = all of it);
     GRPO's warmup still draws its problems (questions and verified answers only) from the whole stream."""
     seed: int = 0
@@ -152,7 +152,8 @@ class ControlConfig:
     """Optimizer steps of continued SFT; the default is set so the stage takes about the warmup's wall time on
     a 2-core CPU, docs/results/learning.md."""
     lr: float = 1e-3
-    """Peak AdamW learning rate (a fresh optimizer; the other SFT settings are `sft`'s)."""
+    """Peak AdamW learning rate (a fresh optimizer; the other SFT settings are `sft`'s); it ends 8 points above
+    3e-4, about where the SFT's cosine ended (docs/results/learning.md)."""
     warmup_steps: int = 50
     """Linear LR warmup steps, then cosine decay to 10% of `lr`."""
     eval_every: int = 300
