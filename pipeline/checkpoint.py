@@ -105,6 +105,24 @@ def _load_gpt_weights(module: GPT, path: Path, device) -> None:
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
+ARCH_FIELDS = ("backend", "n_layer", "n_head", "n_embd", "block_size", "positions")  # gpt: the checkpoint decides
+HF_ARCH_FIELDS = ("backend",)
+
+
+def check_architecture(expected, found, expected_from: str, checkpoint: Path) -> None:
+    """CheckpointError (an InputError) naming both values when `checkpoint`'s model config disagrees with `expected`
+    (warmup, control and grpo continue a checkpoint: model.* cannot resize it, and the KL needs one
+    architecture)."""
+    fields = ARCH_FIELDS if found.backend == "gpt" else HF_ARCH_FIELDS
+    for name in fields:
+        want, have = getattr(expected, name), getattr(found, name)
+        if want != have:
+            raise CheckpointError(f"model.{name} = {want!r} in {expected_from}, but {checkpoint} was written "
+                                  f"with model.{name} = {have!r}; warmup, control and grpo continue their "
+                                  f"checkpoint, so drop the override or re-run the stage that writes "
+                                  f"{checkpoint} with it")
+
+
 def load_policy(folder: str | Path, device: str | torch.device | None = None) -> Policy:
     """Load a policy saved by :func:`save_policy` (either backend), or a plain HF model folder.
 

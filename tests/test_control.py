@@ -89,6 +89,15 @@ def test_control_starts_from_the_sft_weights_and_trains_on(workdir):
     assert not Path("checkpoints/control.resume").exists() and not Path("plots/sft.csv").exists()
 
 
+def test_control_refuses_model_params_that_disagree_with_the_sft_checkpoint(workdir):
+    """The control continues checkpoints/sft: a model override cannot resize it, so it is an error
+    naming both values, as for the warmup, not silently ignored."""
+    with pytest.raises(InputError, match=r"model.n_layer = 3 in the params, but checkpoints/sft was written "
+                                         r"with model.n_layer = 2"):
+        sft.run_sft(smoke_cfg("model.n_layer=3"), "control")
+    assert not Path("checkpoints/control").exists()
+
+
 def test_killed_control_resumes_bit_identically(workdir, monkeypatch, caplog):
     """Stopped right after its resume state at step 2 and run again, the control ends with the
     weights and series of an uninterrupted run, bit for bit (CPU); new SFT weights void the state."""

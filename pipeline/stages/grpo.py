@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from pipeline import distributed as dist_utils
-from pipeline.checkpoint import load_policy, save_policy
+from pipeline.checkpoint import check_architecture, load_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig
 from pipeline.errors import InputError, TrainingDivergedError
 from pipeline.files import read_rows, write_series_csv
@@ -229,22 +229,6 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
     generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
     return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world)
-
-
-ARCH_FIELDS = ("backend", "n_layer", "n_head", "n_embd", "block_size", "positions")  # gpt: the checkpoint decides
-HF_ARCH_FIELDS = ("backend",)
-
-
-def check_architecture(expected, found, expected_from: str, checkpoint: Path) -> None:
-    """InputError naming both values when `checkpoint`'s model config disagrees with `expected`
-    (warmup and grpo continue a checkpoint: model.* cannot resize it, and the KL needs one architecture)."""
-    fields = ARCH_FIELDS if found.backend == "gpt" else HF_ARCH_FIELDS
-    for name in fields:
-        want, have = getattr(expected, name), getattr(found, name)
-        if want != have:
-            raise InputError(f"model.{name} = {want!r} in {expected_from}, but {checkpoint} was written with "
-                             f"model.{name} = {have!r}; warmup and grpo continue their checkpoint, so drop the "
-                             f"override or re-run the stage that writes {checkpoint} with it")
 
 
 def check_reference(paths: StagePaths, policy: Policy, ref: Policy) -> None:

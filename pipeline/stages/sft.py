@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeline.checkpoint import init_policy, load_policy, save_policy
+from pipeline.checkpoint import check_architecture, init_policy, load_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
 from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
@@ -341,6 +341,7 @@ def start_policy(cfg: Config) -> Policy:
         raise InputError(f"{OUT}: checkpoint not found; the control continues it, so run the sft stage first "
                          "(`python -m pipeline sft`)")
     policy = load_policy(OUT, device=cfg.model.device)
+    check_architecture(cfg.model, policy.model_cfg, "the params", OUT)
     policy.set_compute_dtype(cfg.model.dtype)
     if cfg.model.gradient_checkpointing and not policy.recompute:
         policy.enable_recompute()
