@@ -11,8 +11,8 @@ bootstrap (seeds resampled, then problems), each seed's figure, and the SFT's pl
 much held-out accuracy moved over its last 20% of steps, from ``plots/sft.csv``). Then the paired
 difference warmup - control (the same seed's checkpoints on the same problems) with its interval.
 
-    python bench/learning.py --gsm8k PATH --seeds 0 1 2 --jobs 2 --work /tmp/learning [--set k=v ...]
-    python bench/learning.py --work /tmp/learning --report      # re-read finished seeds only
+    python bench/learning.py --gsm8k PATH --seeds 0 1 2 --jobs 2 --work runs/learning [--set k=v ...]
+    python bench/learning.py --work runs/learning --report      # re-read finished seeds only
     # under torch's AVX2 kernels on any CPU: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 python bench/learning.py ...
     # last line: JSON with every figure
 """
