@@ -140,6 +140,9 @@ class SFTConfig:
     arith_examples: int = 0
     """Worked arithmetic solutions SFT learns from: the first N rows of the training stream (0 = all of it);
     GRPO's warmup still draws its problems (questions and verified answers only) from the whole stream."""
+    arith_max_level: int = 0
+    """Hardest curriculum level whose worked solutions SFT learns from (0 = every level); harder levels reach
+    the policy only through the warmup's verifier (applied before `arith_examples`)."""
     seed: int = 0
     """Seed for init, batching and dropout."""
 

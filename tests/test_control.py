@@ -54,6 +54,22 @@ def test_the_budget_is_the_first_n_worked_solutions(workdir, stage):
     assert len(whole.batches.parts[0][0]) == len(rows) > 5
 
 
+def test_the_level_cap_keeps_only_easy_worked_solutions(workdir):
+    """sft.arith_max_level = 1 leaves out every worked solution of a harder level, then
+    sft.arith_examples takes the first N of what is left; the control learns from the same rows."""
+    rows = read_rows(Path("data/arith_train.jsonl"))
+    easy = [r for r in rows if r["level"] <= 1]
+    assert 0 < len(easy) < len(rows)
+    for stage in sft.SFT_STAGES:
+        run = sft.setup(smoke_cfg("sft.arith_max_level=1", "sft.arith_examples=3"), stage)
+        want = {tuple(ids) for ids, _ in sft.encode_examples(run.tok, easy[:3], run.conf.max_len)[0]}
+        assert arith_examples_drawn(run, 10) == want
+    cfg = smoke_cfg("sft.arith_max_level=1")
+    assert [r["id"] for r in sft.worked_examples(rows, cfg.sft)] == [r["id"] for r in easy]
+    with pytest.raises(ConfigError, match=r"sft.arith_max_level.*\[0, data.arith_max_level\]"):
+        smoke_cfg(f"sft.arith_max_level={cfg.data.arith_max_level + 1}")
+
+
 def test_the_budget_is_checked_and_keys_the_resume_state(workdir):
     keys = {sft.compatibility_key(smoke_cfg(*o), stage) for o in ((), ("sft.arith_examples=5",))
             for stage in sft.SFT_STAGES}

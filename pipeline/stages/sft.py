@@ -2,7 +2,8 @@
 SFT continued from the SFT checkpoint, the equal-compute baseline of the warmup.
 
 The arithmetic worked solutions are the first `sft.arith_examples` rows of `data/arith_train.jsonl`
-(0: all of them), the budget of worked examples; the warmup draws its problems from the whole file.
+(0: all of them) among those of level <= `sft.arith_max_level` (0: every level), the budget of worked
+examples; the warmup draws its problems from the whole file.
 Each step draws `round(sft.batch_size * sft.arith_fraction)` sequences from the arithmetic stream
 and the rest from GSM8K train (each source in seeded, reshuffled epochs). A sequence is
 `prompt ids + response ids + eos`, with prompt and response tokenized separately exactly as a rollout
@@ -350,6 +351,14 @@ def start_policy(cfg: Config) -> Policy:
     return policy
 
 
+def worked_examples(rows: list[dict[str, Any]], s: SFTConfig) -> list[dict[str, Any]]:
+    """The worked-example budget: the stream's rows of level <= `sft.arith_max_level` (0: all), the first
+    `sft.arith_examples` of them (0: all)."""
+    if s.arith_max_level:
+        rows = [r for r in rows if r["level"] <= s.arith_max_level]
+    return rows[: s.arith_examples or None]
+
+
 def setup(cfg: Config, stage: str = "sft") -> SFTRun:
     """Seeded; tokenizer, data, batch order, policy and optimizer at step 0. The control's policy and
     tokenizer are checkpoints/sft's; the SFT's a fresh model over data/tokenizer.json."""
@@ -357,7 +366,7 @@ def setup(cfg: Config, stage: str = "sft") -> SFTRun:
     seed_everything(s.seed)
     start = start_policy(cfg) if stage == "control" else None
     tok = start.tokenizer if start is not None else _load_tokenizer()
-    budget = read_rows(data / "arith_train.jsonl")[: s.arith_examples or None]  # the worked-example budget
+    budget = worked_examples(read_rows(data / "arith_train.jsonl"), s)
     arith, dropped_a = encode_examples(tok, budget, s.max_len)
     gsm, dropped_g = encode_examples(tok, read_rows(data / "gsm8k_train.jsonl"), s.max_len)
     val, _ = encode_examples(tok, read_rows(data / "gsm8k_val.jsonl"), cfg.model.block_size)
