@@ -143,6 +143,9 @@ class SFTConfig:
     arith_max_level: int = 0
     """Hardest curriculum level whose worked solutions SFT learns from (0 = every level); harder levels reach
     the policy only through the warmup's verifier (applied before `arith_examples`)."""
+    arith_hard_examples: int = 0
+    """With `arith_max_level`: worked solutions still kept from the harder levels, the first N of them in the
+    stream (a scarce budget of hard worked solutions beside plentiful verified answers)."""
     seed: int = 0
     """Seed for init, batching and dropout."""
 

@@ -66,6 +66,11 @@ def test_the_level_cap_keeps_only_easy_worked_solutions(workdir):
         assert arith_examples_drawn(run, 10) == want
     cfg = smoke_cfg("sft.arith_max_level=1")
     assert [r["id"] for r in sft.worked_examples(rows, cfg.sft)] == [r["id"] for r in easy]
+    # a scarce budget of hard ones: the first 2 rows above the cap join, in stream order
+    hard = [r["id"] for r in rows if r["level"] > 1][:2]
+    kept = sft.worked_examples(rows, smoke_cfg("sft.arith_max_level=1", "sft.arith_hard_examples=2").sft)
+    assert [r["id"] for r in kept] == [r["id"] for r in rows if r["level"] <= 1 or r["id"] in hard]
+    assert sft.worked_examples(rows, smoke_cfg("sft.arith_hard_examples=2").sft) == rows  # no cap: all
     with pytest.raises(ConfigError, match=r"sft.arith_max_level.*\[0, data.arith_max_level\]"):
         smoke_cfg(f"sft.arith_max_level={cfg.data.arith_max_level + 1}")
 

@@ -352,10 +352,11 @@ def start_policy(cfg: Config) -> Policy:
 
 
 def worked_examples(rows: list[dict[str, Any]], s: SFTConfig) -> list[dict[str, Any]]:
-    """The worked-example budget: the stream's rows of level <= `sft.arith_max_level` (0: all), the first
-    `sft.arith_examples` of them (0: all)."""
+    """The worked-example budget, in stream order: the rows of level <= `sft.arith_max_level` (0: all) and the
+    first `sft.arith_hard_examples` rows of the harder levels; then the first `sft.arith_examples` (0: all)."""
     if s.arith_max_level:
-        rows = [r for r in rows if r["level"] <= s.arith_max_level]
+        hard = {r["id"] for r in [r for r in rows if r["level"] > s.arith_max_level][: s.arith_hard_examples]}
+        rows = [r for r in rows if r["level"] <= s.arith_max_level or r["id"] in hard]
     return rows[: s.arith_examples or None]
 
 
