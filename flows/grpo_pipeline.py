@@ -1,4 +1,4 @@
-"""The whole pipeline as one Prefect flow: prepare -> sft -> warmup -> control -> grpo -> evaluate.
+"""The whole pipeline as one Prefect flow: prepare -> sft -> (warmup, control side by side) -> grpo -> evaluate.
 
 Each task runs its DVC stage (``dvc repro --single-item``), so DVC decides what is up to date and a
 flow run leaves the same ``dvc.lock``, cache and files as ``dvc repro``. Without overrides the flow
@@ -131,22 +131,54 @@ def publish_stage(cfg: Config, result: dict[str, Any], parent_run_id: str | None
 
 # --------------------------------------------------------------------------- the flow
 
-def run_chain(stages: Sequence[str], work: Path, cfg: Config, parent: str | None, label: str | None,
-              root: Path) -> dict[str, Any]:
-    """Each stage task after the previous one, taking its result (the graph's edge)."""
-    results: dict[str, Any] = {}
-    upstream = None
-    changed = changed_stages(str(work))
+# Each stage's upstream stages: the stages whose outputs are its deps in dvc.yaml (tests/test_flows.py
+# checks it against DVC's own graph). warmup and control both start from checkpoints/sft, so they run
+# side by side; the rest is a chain.
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "prepare": (), "sft": ("prepare",), "warmup": ("prepare", "sft"), "control": ("prepare", "sft"),
+    "grpo": ("prepare", "sft", "warmup"), "evaluate": ("prepare", "sft", "warmup", "control", "grpo")}
+
+
+def upstream_of(stages: Sequence[str], parallel: bool = True) -> dict[str, list[str]]:
+    """For each stage of the run, the stages it waits for: its nearest upstream stages in the run (those
+    not already upstream of another of them), or with ``parallel=False`` the stage before it (a chain)."""
+    if not parallel:
+        return {name: list(stages[i - 1:i]) for i, name in enumerate(stages)}
+    out: dict[str, list[str]] = {}
     for name in stages:
-        upstream = STAGE_TASKS[name](upstream, str(work), parent, label, str(root),
-                                     sorted(changed) if changed is not None else None)
-        results[name] = upstream
-        if name in TRAINING_STAGES:
-            publish_stage(cfg, upstream, parent)
+        ups = [u for u in UPSTREAM[name] if u in stages]
+        out[name] = [u for u in ups if not any(u in UPSTREAM[v] for v in ups)]
+    return out
+
+
+def run_chain(stages: Sequence[str], work: Path, cfg: Config, parent: str | None, label: str | None,
+              root: Path, parallel: bool = True) -> dict[str, Any]:
+    """Every stage task submitted at once, each taking its upstream stages' results (the graph's edges), so
+    Prefect starts a stage as soon as those finish: warmup and control run side by side. Results are
+    read in pipeline order, each training stage's artifact published as it finishes; when one fails the
+    stages already running are let finish (DVC records them) before its error is raised."""
+    from prefect.futures import wait
+
+    changed = changed_stages(str(work))
+    changed_list = sorted(changed) if changed is not None else None
+    futures: dict[str, Any] = {}
+    for name, ups in upstream_of(list(stages), parallel).items():
+        futures[name] = STAGE_TASKS[name].submit([futures[u] for u in ups], str(work), parent, label, str(root),
+                                                 changed_list)
+    results: dict[str, Any] = {}
+    try:
+        for name in stages:
+            results[name] = futures[name].result()
+            if name in TRAINING_STAGES:
+                publish_stage(cfg, results[name], parent)
+    except BaseException:
+        wait(list(futures.values()))
+        raise
     return results
 
 
-def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | None) -> dict[str, Any]:
+def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | None,
+            parallel: bool = True) -> dict[str, Any]:
     """The body of every pipeline flow: lock, experiment copy when overridden, parent run, chain."""
     from prefect.runtime import flow_run
 
@@ -161,7 +193,7 @@ def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | 
                 tags["grpo.experiment"] = name
             parent = start_pipeline_run(cfg, name=run_name(cfg, None, name), tags=tags)
             try:
-                results = run_chain(stages, work, cfg, parent, name if overrides else None, root)
+                results = run_chain(stages, work, cfg, parent, name if overrides else None, root, parallel)
                 if overrides:
                     results["experiment"] = save_experiment(work, name)
                 results["metrics"] = publish_eval(workdir=work) if "evaluate" in stages else []
@@ -174,9 +206,11 @@ def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | 
 
 
 @flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Every stage in order, each through DVC; an experiment when overridden."""
-    return execute(STAGES, params_path, overrides)
+def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None,
+                  parallel: bool = True) -> dict[str, Any]:
+    """Every stage through DVC, warmup and control side by side (``parallel=False``: one at a time);
+    an experiment when overridden."""
+    return execute(STAGES, params_path, overrides, parallel)
 
 
 def headline(work: Path) -> str:
@@ -202,13 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.grpo_pipeline", description=__doc__.splitlines()[0])
     add_config_args(p, params_help="params file (another file: an experiment on its values)",
                     set_help="override one param (the run becomes a DVC experiment); repeatable")
+    p.add_argument("--sequential", action="store_true",
+                   help="one stage at a time (default: warmup and control side by side, each on its own cores)")
     args = p.parse_args(argv)
 
     def run() -> int:
         effective_overrides(args.params, args.overrides)
         check_free()  # one line before Prefect starts, not a failed flow run's traceback
         with local_api():
-            results = grpo_pipeline(args.params, args.overrides)
+            results = grpo_pipeline(args.params, args.overrides, not args.sequential)
         if results.get("experiment"):
             print(f"experiment {results['experiment']} saved: dvc exp show; dvc exp apply {results['experiment']}")
         print(results.get("headline", ""))

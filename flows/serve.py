@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         paused=args.paused,
         parameters={"params_path": args.params, "overrides": args.overrides},
         tags=["grpo"],
-        description="GRPO pipeline: prepare -> sft -> warmup -> control -> grpo -> evaluate",
+        description="GRPO pipeline: prepare -> sft -> (warmup, control side by side) -> grpo -> evaluate",
         global_limit=1,  # the deployment's concurrency limit, held by the server
         entrypoint_type=EntrypointType.MODULE_PATH,
     )

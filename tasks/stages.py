@@ -5,7 +5,7 @@ decides whether the stage is up to date, records it in ``dvc.lock`` and fills it
 a ``dvc repro`` by hand would. The stage's output (the ``pipeline`` logger's progress lines and
 DVC's own) is relayed line by line to the task's Prefect logger, and the task returns a small dict:
 ``{"stage", "status": "ran" | "skipped" | "restored", "workdir"}``. Each task takes the previous
-stage's result as ``upstream``, so the Prefect graph is the pipeline's chain. The flow asks
+stage's results as ``upstream`` (the stages it depends on), so the Prefect graph is dvc.yaml's graph. The flow asks
 ``dvc status`` once at the start (``changed``): a stage it reports up to date, with nothing run
 upstream since, is skipped without starting DVC again (a no-op run costs one DVC start, not five).
 
@@ -137,7 +137,9 @@ def failure(name: str, lines: list[str], code: int) -> Exception:
 def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = None) -> dict[str, Any]:
     """``dvc repro --single-item <name>`` in ``workdir``, its output relayed to the task's logger."""
     log = _logger()
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", name]
+    # --wait-for-lock: DVC holds its repo lock only around a stage's bookkeeping, not while the command
+    # runs, so stages on parallel branches (warmup, control) take turns at it instead of failing
+    cmd = [sys.executable, "-m", "dvc", "--wait-for-lock", "repro", "--single-item", name]
     full_env = {**os.environ, **{k: v for k, v in (env or {}).items() if v}}
     bin_dir = str(Path(sys.executable).parent)  # `python` in dvc.yaml's commands: this environment's
     full_env["PATH"] = bin_dir + os.pathsep + full_env.get("PATH", "")
@@ -178,9 +180,11 @@ def stage_env(parent_run_id: str | None, run_name: str | None, root: str | None)
 # --------------------------------------------------------------------------- stage tasks
 
 def _stage_task(name: str, retry, doc: str) -> Task:
-    def run(upstream: dict[str, Any] | None = None, workdir: str = ".", parent_run_id: str | None = None,
-            run_name: str | None = None, root: str | None = None, changed: list[str] | None = None) -> dict[str, Any]:
-        if changed is not None and name not in changed and (upstream or {}).get("status", "skipped") == "skipped":
+    def run(upstream: list[dict[str, Any]] | dict[str, Any] | None = None, workdir: str = ".",
+            parent_run_id: str | None = None, run_name: str | None = None, root: str | None = None,
+            changed: list[str] | None = None) -> dict[str, Any]:
+        ups = [upstream] if isinstance(upstream, dict) else list(upstream or [])
+        if changed is not None and name not in changed and all(u.get("status") == "skipped" for u in ups):
             # DVC's `dvc status` at the start of the run said up to date, and nothing upstream has run since
             _logger().info(f"{name}: skipped (DVC's decision: dvc status reports it up to date)")
             return {"stage": name, "status": "skipped", "workdir": str(workdir)}

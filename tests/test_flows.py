@@ -8,6 +8,7 @@ writes the same files as the CLI/DVC stages.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,85 @@ def test_flow_rejects_bad_config_before_any_task(tmp_path, harness, monkeypatch)
     assert task_runs_of(state.state_details.flow_run_id) == []
 
 
+def test_the_flow_graph_is_dvcs_graph():
+    """UPSTREAM names, for each stage, exactly the stages dvc.yaml makes it depend on (DVC's own graph of
+    the repo), and a run waits only on its nearest ones: warmup and control on sft alone."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    from flows.grpo_pipeline import UPSTREAM, upstream_of
+
+    with Repo(str(REPO)) as repo:
+        graph = repo.index.graph  # an edge runs from a stage to a stage it depends on
+        names = {st: st.name for st in graph.nodes}
+        dvc_upstream = {names[st]: {names[d] for d in nx.descendants(graph, st)} for st in graph.nodes}
+    assert {k: set(v) for k, v in UPSTREAM.items()} == dvc_upstream
+    assert upstream_of(STAGES) == {"prepare": [], "sft": ["prepare"], "warmup": ["sft"], "control": ["sft"],
+                                   "grpo": ["warmup"], "evaluate": ["control", "grpo"]}
+    assert upstream_of(["warmup", "grpo", "evaluate"]) == {"warmup": [], "grpo": ["warmup"], "evaluate": ["grpo"]}
+    assert upstream_of(STAGES, parallel=False)["control"] == ["warmup"]  # --sequential: the chain
+
+
+SLEEPY_STAGE = """import json, os, sys, time
+name = sys.argv[1]
+start = time.time()
+time.sleep(float(os.environ.get("STAGE_SLEEP", "0")) if name in ("warmup", "control") else 0)
+os.makedirs("out", exist_ok=True)
+with open(f"out/{name}.json", "w") as f:
+    json.dump({"start": start, "end": time.time()}, f)
+"""
+
+
+def sleepy_repo(root):
+    """A git + DVC repo with the pipeline's stage names and dvc.yaml's stage graph, each stage a small
+    script recording when it ran (warmup and control sleep for STAGE_SLEEP seconds)."""
+    from flows.grpo_pipeline import UPSTREAM
+
+    root.mkdir()
+    (root / "stage.py").write_text(SLEEPY_STAGE)
+    stages = {name: {"cmd": f"python stage.py {name}", "deps": ["stage.py", *(f"out/{u}.json" for u in ups)],
+                     "outs": [{f"out/{name}.json": {"cache": False}}]} for name, ups in UPSTREAM.items()}
+    import yaml
+
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    sh(root, "git", "init", "-q")
+    sh(root, "dvc", "init", "-q")
+    sh(root, "dvc", "config", "core.analytics", "false")
+    sh(root, "git", "add", "-A")
+    sh(root, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    return root
+
+
+def test_warmup_and_control_run_side_by_side_through_dvc(tmp_path, harness, monkeypatch):
+    """run_chain submits every stage at once: warmup and control (both after sft) run at the same time,
+    each a real `dvc repro --single-item` in the same repo, and DVC records both in dvc.lock; with
+    parallel=False they run one after the other."""
+    import yaml
+    from prefect import flow
+
+    from flows.grpo_pipeline import run_chain
+    from tests.conftest import smoke_cfg
+
+    cfg = smoke_cfg("tracking.enabled=false")
+    monkeypatch.setenv("STAGE_SLEEP", "6")
+
+    @flow
+    def chain(work: str, parallel: bool):
+        return run_chain(STAGES, Path(work), cfg, None, None, Path(work), parallel)
+
+    for parallel in (True, False):
+        repo = sleepy_repo(tmp_path / f"p{parallel}")
+        out = chain(str(repo), parallel)
+        assert {s: out[s]["status"] for s in STAGES} == {s: "ran" for s in STAGES}
+        t = {s: json.loads((repo / "out" / f"{s}.json").read_text()) for s in STAGES}
+        overlap = min(t["warmup"]["end"], t["control"]["end"]) - max(t["warmup"]["start"], t["control"]["start"])
+        assert (overlap > 3) if parallel else (overlap < 0), (parallel, t)
+        assert t["grpo"]["start"] >= t["warmup"]["end"] and t["evaluate"]["start"] >= t["control"]["end"]
+        lock = yaml.safe_load((repo / "dvc.lock").read_text())
+        assert set(lock["stages"]) == set(STAGES)  # neither parallel stage's record was lost
+        assert "up to date" in sh(repo, "dvc", "status")
+
+
 def logs_of(flow_run_id, task_run_ids, timeout: float = 60.0):
     """{task run id: [messages]} once every given task run has a log line (logs arrive in batches)."""
     import time
@@ -118,7 +198,7 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     chain, every stage logs to Prefect, the artifacts exist, MLflow has one parent per flow run."""
     from mlflow.tracking import MlflowClient
 
-    from flows.grpo_pipeline import grpo_pipeline
+    from flows.grpo_pipeline import grpo_pipeline, upstream_of
 
     repo = tracked_repo(tmp_path, "flows")
     monkeypatch.chdir(repo)
@@ -146,10 +226,10 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     assert data["params"]["params.yaml"]["data"]["grpo"]["iterations"] == 3
     assert "reward_final" in data["metrics"]["metrics/train.json"]["data"]["grpo"]
 
-    # the graph is the chain, and every stage logged to Prefect
+    # the graph is dvc.yaml's (warmup and control both after sft), and every stage logged to Prefect
     runs = by_stage(task_runs_of(flow_run_id, expect=STAGES))
-    for prev, name in zip(STAGES, STAGES[1:]):
-        assert [i.id for i in runs[name].task_inputs["upstream"]] == [runs[prev].id], name
+    for name, ups in upstream_of(STAGES).items():
+        assert sorted(i.id for i in runs[name].task_inputs["upstream"]) == sorted(runs[u].id for u in ups), name
     logs = logs_of(flow_run_id, [runs[s].id for s in STAGES])
     assert all(logs[runs[s].id] for s in STAGES), logs
     assert any(m.startswith("grpo 3/3") for m in logs[runs["grpo"].id]), logs[runs["grpo"].id]
@@ -223,7 +303,8 @@ def test_failed_stage_fails_the_flow_closes_its_parent_and_saves_no_experiment(t
         state.result()
     runs = by_stage(task_runs_of(state.state_details.flow_run_id, expect={"prepare"}))
     assert runs["prepare"].state.is_failed() and runs["prepare"].run_count == 1  # bad input: not retried
-    assert "sft" not in runs
+    # every later stage was submitted waiting on it, and never started (the UI shows them not ready)
+    assert all(runs[s].run_count == 0 and not runs[s].state.is_completed() for s in runs if s != "prepare")
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name("failing")
     parents = client.search_runs([exp.experiment_id], "tags.`grpo.role` = 'pipeline'")
