@@ -187,7 +187,8 @@ def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | 
     with workspace_lock(f"flow run {name}", root):
         cfg = load_config("params.yaml", overrides)
         copy = experiment_copy(root, name, overrides) if overrides else contextlib.nullcontext(root)
-        with copy as work:
+        with copy as work, workspace_lock(f"flow run {name}", work):  # the copy's stages run under the flow's
+            # lock too, so the side-by-side branches pass through it instead of refusing each other
             tags = {"prefect.flow_run_id": str(flow_run.id)} if flow_run.id else {}
             if overrides:
                 tags["grpo.experiment"] = name
