@@ -187,8 +187,9 @@ def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | 
     with workspace_lock(f"flow run {name}", root):
         cfg = load_config("params.yaml", overrides)
         copy = experiment_copy(root, name, overrides) if overrides else contextlib.nullcontext(root)
-        with copy as work, workspace_lock(f"flow run {name}", work):  # the copy's stages run under the flow's
-            # lock too, so the side-by-side branches pass through it instead of refusing each other
+        # an experiment's copy is held under the flow's lock too, so the side-by-side branches running in
+        # it pass through that lock instead of refusing each other (in the workspace itself: a no-op)
+        with copy as work, workspace_lock(f"flow run {name}", work):
             tags = {"prefect.flow_run_id": str(flow_run.id)} if flow_run.id else {}
             if overrides:
                 tags["grpo.experiment"] = name

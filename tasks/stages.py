@@ -180,11 +180,9 @@ def stage_env(parent_run_id: str | None, run_name: str | None, root: str | None)
 # --------------------------------------------------------------------------- stage tasks
 
 def _stage_task(name: str, retry, doc: str) -> Task:
-    def run(upstream: list[dict[str, Any]] | dict[str, Any] | None = None, workdir: str = ".",
-            parent_run_id: str | None = None, run_name: str | None = None, root: str | None = None,
-            changed: list[str] | None = None) -> dict[str, Any]:
-        ups = [upstream] if isinstance(upstream, dict) else list(upstream or [])
-        if changed is not None and name not in changed and all(u.get("status") == "skipped" for u in ups):
+    def run(upstream: list[dict[str, Any]] | None = None, workdir: str = ".", parent_run_id: str | None = None,
+            run_name: str | None = None, root: str | None = None, changed: list[str] | None = None) -> dict[str, Any]:
+        if changed is not None and name not in changed and all(u["status"] == "skipped" for u in upstream or []):
             # DVC's `dvc status` at the start of the run said up to date, and nothing upstream has run since
             _logger().info(f"{name}: skipped (DVC's decision: dvc status reports it up to date)")
             return {"stage": name, "status": "skipped", "workdir": str(workdir)}

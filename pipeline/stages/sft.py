@@ -2,8 +2,9 @@
 SFT continued from the SFT checkpoint, the equal-compute baseline of the warmup.
 
 The arithmetic worked solutions are the first `sft.arith_examples` rows of `data/arith_train.jsonl`
-(0: all of them) among those of level <= `sft.arith_max_level` (0: every level), the budget of worked
-examples; the warmup draws its problems from the whole file.
+(0: all of them) among those of level <= `sft.arith_max_level` (0: every level) plus the first
+`sft.arith_hard_examples` of the harder levels, the budget of worked examples; the warmup draws its
+problems from the whole file.
 Each step draws `round(sft.batch_size * sft.arith_fraction)` sequences from the arithmetic stream
 and the rest from GSM8K train (each source in seeded, reshuffled epochs). A sequence is
 `prompt ids + response ids + eos`, with prompt and response tokenized separately exactly as a rollout
@@ -355,8 +356,14 @@ def worked_examples(rows: list[dict[str, Any]], s: SFTConfig) -> list[dict[str, 
     """The worked-example budget, in stream order: the rows of level <= `sft.arith_max_level` (0: all) and the
     first `sft.arith_hard_examples` rows of the harder levels; then the first `sft.arith_examples` (0: all)."""
     if s.arith_max_level:
-        hard = {r["id"] for r in [r for r in rows if r["level"] > s.arith_max_level][: s.arith_hard_examples]}
-        rows = [r for r in rows if r["level"] <= s.arith_max_level or r["id"] in hard]
+        kept, hard = [], 0
+        for r in rows:
+            if r["level"] > s.arith_max_level:
+                if hard == s.arith_hard_examples:
+                    continue
+                hard += 1
+            kept.append(r)
+        rows = kept
     return rows[: s.arith_examples or None]
 
 
