@@ -177,6 +177,33 @@ def test_warmup_and_control_run_side_by_side_through_dvc(tmp_path, harness, monk
         assert "up to date" in sh(repo, "dvc", "status")
 
 
+def test_a_flow_from_scratch_runs_both_branches_and_tracks_them(tmp_path, harness, monkeypatch):
+    """The whole smoke pipeline through the flow on a fresh copy, MLflow on: every stage runs (warmup and
+    control side by side, as the rendezvous test above proves, both writing to the one SQLite file), both
+    stage runs end FINISHED under the flow's parent run, and DVC then reports every stage up to date."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.grpo_pipeline import grpo_pipeline
+
+    repo = tracked_repo(tmp_path, "branches")
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    state = grpo_pipeline(return_state=True)
+    assert state.is_completed(), state
+    out = state.result()
+    assert {s: out[s]["status"] for s in STAGES} == {s: "ran" for s in STAGES}
+    assert "up to date" in sh(repo, "dvc", "status")
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("branches")
+    all_runs = client.search_runs([exp.experiment_id])
+    parent = [r for r in all_runs if r.data.tags.get("grpo.role") == "pipeline"]
+    assert len(parent) == 1 and {r.info.status for r in all_runs} == {"FINISHED"}
+    children = {r.data.tags["grpo.stage"]: r for r in all_runs
+                if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
+    assert set(children) == set(STAGES)
+    assert "warmup/reward" in children["warmup"].data.metrics and "control/loss" in children["control"].data.metrics
+
+
 def logs_of(flow_run_id, task_run_ids, timeout: float = 60.0):
     """{task run id: [messages]} once every given task run has a log line (logs arrive in batches)."""
     import time
