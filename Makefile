@@ -7,7 +7,8 @@ VENV       ?= .venv
 # CPU wheel by default; on a CUDA box e.g. TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-# Local GSM8K copy (file or folder with train/test JSONL or Parquet); empty = data.gsm8k_source in params.yaml
+# Another GSM8K copy (file or folder with train/test JSONL or Parquet); empty = data.gsm8k_source in params.yaml
+# (the copy committed under datasets/gsm8k)
 GSM8K      ?=
 PYTEST_ARGS ?=
 
@@ -30,9 +31,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 
 # The main job: every stage through DVC, as the Prefect flow runs it (flows/grpo_pipeline.py): DVC
 # decides what is up to date, one MLflow parent run holds the stages, the end is a table of the
-# headline numbers. With GSM8K=PATH the local copy is a DVC-tracked override (data.gsm8k_source), so
-# the run is a DVC experiment: tracked files stay as they are (`dvc exp show` lists it, `dvc exp
-# apply NAME` takes it into the workspace), and the Hugging Face hub is never contacted.
+# headline numbers. GSM8K is read from the clone (datasets/gsm8k), so the run needs no hub and, on the
+# committed params, compares with the dvc.lock and metrics/ committed. With GSM8K=PATH another copy is a DVC-tracked
+# override (data.gsm8k_source), so the run is a DVC experiment: tracked files stay as they are (`dvc
+# exp show` lists it, `dvc exp apply NAME` takes it into the workspace), and the hub is never contacted.
 run: setup
 	$(if $(strip $(GSM8K)),HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1) \
 	  PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m flows.grpo_pipeline \

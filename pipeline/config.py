@@ -33,8 +33,9 @@ STAGES = ("prepare", "sft", "warmup", "control", "grpo", "evaluate")
 class DataConfig:
     """prepare stage: GSM8K loading/validation, arithmetic curriculum, tokenizer"""
 
-    gsm8k_source: str = "openai/gsm8k"
-    """Hugging Face dataset id, or a local JSONL/Parquet file or a folder with train/test files."""
+    gsm8k_source: str = "./datasets/gsm8k"
+    """A folder with train/test files (default: the copy committed in the repo), a local JSONL/Parquet file,
+    or a Hugging Face dataset id (`openai/gsm8k`)."""
     gsm8k_config: str = "main"
     """Dataset config name used when `gsm8k_source` is a hub id."""
     val_size: int = 200

@@ -17,7 +17,7 @@ def test_params_yaml_and_smoke_load_and_match_schema():
     default = load_config(ROOT / "params.yaml")
     assert default.grpo.group_size == 8 and default.grpo.clip == 0.2 and default.grpo.kl_coef == 0.04
     assert default.grpo.temperature == 1.0 and default.grpo.grpo_epochs == 1 and default.grpo.grad_clip == 1.0
-    assert default.data.gsm8k_source == "openai/gsm8k"
+    assert default.data.gsm8k_source == "./datasets/gsm8k"
     for name in ("smoke.yaml", "gpu.yaml"):
         load_config(ROOT / "configs" / name)
 

@@ -99,6 +99,27 @@ def test_jsonl_parquet_folder_and_shards_give_the_same_rows(sources):
     assert _rows(sources / "snapshot") == expected  # <folder>/<config>/ shards, in order
 
 
+def test_the_committed_gsm8k_copy_is_the_default_whole_and_valid(monkeypatch):
+    """datasets/gsm8k is data.gsm8k_source's default: intact (its README's SHA-256), both splits whole,
+    every row valid, resolved from the repo root as DVC runs the stage; the test fixture is its head."""
+    import hashlib
+
+    folder = REPO / "datasets" / "gsm8k"
+    sums = dict(reversed(line.split()) for line in (folder / "README.md").read_text().splitlines()
+                if re.fullmatch(r"[0-9a-f]{64}  \S+", line))
+    assert set(sums) == {"train.jsonl", "test.jsonl"}
+    for name, digest in sums.items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+    default = load_config(REPO / "params.yaml").data.gsm8k_source
+    monkeypatch.chdir(REPO)
+    raw = gs.load_raw(default)
+    rows = {s: gs.validate_split(raw[s], s, TEMPLATE, 0.0, default) for s in gs.SPLITS}
+    assert {s: (len(r), len(bad)) for s, (r, bad) in rows.items()} == {"train": (7473, 0), "test": (1319, 0)}
+    fixture = gs.load_raw(str(GSM8K))
+    for split, n in (("train", 80), ("test", 30)):
+        assert [r.data for r in fixture[split]] == [r.data for r in raw[split][:n]]
+
+
 def test_source_errors(sources, tmp_path):
     write_jsonl(tmp_path / "lonely" / "train.jsonl", GOOD)
     write_jsonl(tmp_path / "noname" / "gsm8k.jsonl", GOOD)
