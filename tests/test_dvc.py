@@ -97,6 +97,45 @@ def test_deps_exist_or_come_from_upstream_and_outs_follow_the_layout():
     assert template["encoding"]["row"]["field"] == "task"  # grouped by task
 
 
+def _value(tree: dict, dotted: str):
+    for key in dotted.split("."):
+        tree = tree[key]
+    return tree
+
+
+def test_the_committed_results_are_those_of_the_committed_params():
+    """dvc.lock, metrics/ and the plot series on main come from one default run of params.yaml (so `dvc
+    metrics diff` and `dvc exp show` compare against HEAD): every stage is locked with params.yaml's
+    values, each metric and plot file DVC records is the one committed (md5), and metrics/eval.json
+    holds every checkpoint the evaluate stage scores, the control beside the warmup."""
+    import hashlib
+
+    from ruamel.yaml import YAML
+
+    yaml12 = YAML(typ="safe")  # DVC's YAML 1.2 reading: `5e-05` is a number (PyYAML reads a string)
+    lock = yaml12.load((REPO / "dvc.lock").read_text())["stages"]
+    assert set(lock) == set(spec()["stages"])
+    params = yaml12.load((REPO / "params.yaml").read_text())
+    tracked = set(subprocess.run(["git", "ls-files", "metrics", "plots", "dvc.lock"], cwd=REPO, check=True,
+                                 capture_output=True, text=True).stdout.split())
+    recorded = set()
+    for name, st in lock.items():
+        for key, value in st["params"]["params.yaml"].items():
+            assert _value(params, key) == value, f"dvc.lock: stage {name} ran with {key}={value!r}, not params.yaml's"
+        for out in st["outs"]:
+            if not out["path"].endswith((".json", ".csv")) or not out["path"].startswith(("metrics/", "plots/")):
+                continue
+            recorded.add(out["path"])
+            digest = hashlib.md5((REPO / out["path"]).read_bytes()).hexdigest()
+            assert digest == out["md5"], f"{out['path']} is not the file dvc.lock records"
+    assert recorded == tracked - {"dvc.lock"} and "dvc.lock" in tracked
+    assert recorded >= {"metrics/eval.json", "metrics/train.json", *(f"plots/{s}.csv" for s in
+                                                                      ("sft", "warmup", "control", "grpo", "accuracy"))}
+    metrics = json.loads((REPO / "metrics" / "eval.json").read_text())
+    assert list(metrics) == list(dict.fromkeys(_value(params, "evaluate.stages")))
+    assert {"sft", "control", "warmup", "grpo"} <= set(metrics)
+
+
 def test_dvc_config_has_analytics_off_and_ignores_bytecode():
     assert "analytics = false" in (REPO / ".dvc" / "config").read_text()
     assert "__pycache__/" in (REPO / ".dvcignore").read_text()
