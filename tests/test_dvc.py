@@ -134,6 +134,16 @@ def test_the_committed_results_are_those_of_the_committed_params():
     metrics = json.loads((REPO / "metrics" / "eval.json").read_text())
     assert list(metrics) == list(dict.fromkeys(_value(params, "evaluate.stages")))
     assert {"sft", "control", "warmup", "grpo"} <= set(metrics)
+    # the README's "What the default run shows" table is this file
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## What the default run shows"):].split("\n\n")
+    rows = {line.split("|")[1].split()[0]: line for block in table if block.startswith("| checkpoint")
+            for line in block.splitlines()[2:]}
+    for stage, m in metrics.items():
+        cells = [f"{100 * m['arith_accuracy']:.1f}%", f"{100 * m['arith_maj_at_8']:.1f}%",
+                 f"{100 * m['gsm8k_accuracy']:.2f}% [{100 * m['gsm8k_accuracy_ci95_low']:.2f}, "
+                 f"{100 * m['gsm8k_accuracy_ci95_high']:.2f}]", f"{100 * m['gsm8k_format_rate']:.1f}%"]
+        assert all(c in rows[stage] for c in cells), f"README row {stage!r} is not metrics/eval.json's: {cells}"
 
 
 def test_dvc_config_has_analytics_off_and_ignores_bytecode():
