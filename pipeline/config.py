@@ -293,6 +293,9 @@ class EvalConfig:
     `(completion, gold) -> float` (a completion is correct when it scores at least 1)."""
     seed: int = 0
     """Seed for the sampling metrics."""
+    jobs: int = 0
+    """Processes scoring checkpoints at once, each with `model.num_threads` threads (the figures do not
+    change); 0 = auto: on CPU one per `model.num_threads` cores, at most one per checkpoint; on CUDA 1."""
 
 
 @dataclass

@@ -105,6 +105,7 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("evaluate.batch_size", e.batch_size >= 1, "an integer >= 1"),
         ("evaluate.max_new_tokens", e.max_new_tokens >= 1, "an integer >= 1"),
         ("evaluate.samples", e.samples >= 0, "an integer >= 0 (0 = off)"),
+        ("evaluate.jobs", e.jobs >= 0, "an integer >= 0 (0 = auto)"),
         ("evaluate.sample_tasks", all(x in ("gsm8k", "arith") for x in e.sample_tasks),
          "a list drawn from gsm8k, arith"),
         ("evaluate.temperature", e.temperature > 0, "a number > 0"),

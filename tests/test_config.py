@@ -82,6 +82,7 @@ def test_dump_round_trips():
     ("grpo.lr=true", r"grpo\.lr = True has the wrong type; expected a number"),
     ("grpo.adv_norm=grup", r"grpo\.adv_norm = 'grup' is not allowed \(did you mean 'group'\?\); allowed: group, batch, none"),
     ("evaluate.stages=[sft, ppo]", r"evaluate\.stages .*sft, control, warmup, grpo"),
+    ("evaluate.jobs=-1", r"evaluate\.jobs = -1 is out of range; allowed: an integer >= 0 \(0 = auto\)"),
     ("model.backend=hf", r"model\.backend .*model\.init"),
 ])
 def test_bad_values_name_the_key(override, pattern):

@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -368,7 +369,7 @@ class _RecordingLogger:
 def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     from pipeline.checkpoint import save_policy
     from pipeline.model.policy import build_policy
-    from pipeline.stages.evaluate import run_evaluate
+    from pipeline.stages.evaluate import eval_jobs, run_evaluate
     from pipeline.tokenizer import train_tokenizer
 
     import torch
@@ -389,6 +390,7 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
 
     logged = _RecordingLogger()
     monkeypatch.setattr("pipeline.stages.evaluate.stage_logger", logged)
+    cfg.evaluate.jobs = 1  # the reference: every checkpoint in this process, one after another
     first = run_evaluate(cfg)
     assert logged.metrics["eval/sft/gsm8k_accuracy"] == first["metrics"]["sft"]["gsm8k_accuracy"]
     assert any(p.endswith("eval.json") for p in logged.artifacts) and logged.tables
@@ -398,6 +400,15 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     second = run_evaluate(cfg)
     assert {p: (tmp_path / p).read_bytes() for p in outputs} == snapshot
     assert first["metrics"] == second["metrics"]
+    # checkpoints scored in spawned processes (evaluate.jobs) give the same bytes as the reference
+    cfg.evaluate.jobs = 0
+    assert eval_jobs(cfg, 4) == max(1, min(len(os.sched_getaffinity(0)), 4)) and eval_jobs(cfg, 1) == 1
+    cfg.evaluate.jobs = 3
+    assert eval_jobs(cfg, 4) == 3
+    for p in outputs:
+        (tmp_path / p).unlink()
+    assert run_evaluate(cfg)["metrics"] == first["metrics"]
+    assert {p: (tmp_path / p).read_bytes() for p in outputs} == snapshot
 
     metrics = json.loads(snapshot["metrics/eval.json"])
     assert list(metrics) == ["sft", "control", "warmup", "grpo"]

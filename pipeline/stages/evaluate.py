@@ -11,12 +11,17 @@ accuracy), pass@k and maj@k (see ``pipeline.evaluation``). Outputs, all written 
 - ``plots/accuracy.csv`` (stage, task, accuracy), ``plots/accuracy.png``, ``plots/training_curves.png``.
 
 The same config and checkpoints give byte-identical eval.json and predictions (greedy decoding is
-deterministic; sampling uses a generator seeded with ``evaluate.seed`` for each stage and task).
+deterministic; sampling uses a generator seeded with ``evaluate.seed`` for each stage and task),
+whether the checkpoints are scored one after another or ``evaluate.jobs`` at a time in spawned
+processes (on a CPU, by default, as many as the cores allow at ``model.num_threads`` threads each).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -121,27 +126,75 @@ def run_evaluate(cfg: Config) -> dict[str, Any]:
     return {"paths": {k: str(v) for k, v in written.items()}, "metrics": metrics}
 
 
-def _evaluate_all(cfg: Config, data: dict[str, list[dict[str, Any]]], folders: dict[str, Path]):
-    """(rounded metrics {stage: {metric: value}}, predictions {(stage, task): rows})."""
+def eval_jobs(cfg: Config, checkpoints: int) -> int:
+    """Processes for `checkpoints` checkpoints: `evaluate.jobs`, or with 0 on CPU the cores there are
+    for `model.num_threads` threads each (one when torch takes them all), on CUDA 1."""
+    if cfg.evaluate.jobs > 0:
+        return max(1, min(cfg.evaluate.jobs, checkpoints))
+    from pipeline.model.policy import resolve_device
+
+    if resolve_device(cfg.model.device).type != "cpu" or cfg.model.num_threads == 0:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores // cfg.model.num_threads, checkpoints))
+
+
+def _evaluate_checkpoint(cfg: Config, stage: str, folder: Path, data: dict[str, list[dict[str, Any]]],
+                         progress=None) -> tuple[dict[str, float | int], dict[str, list[dict[str, Any]]]]:
+    """(raw metrics, {task: prediction rows}) of one checkpoint."""
     from pipeline.checkpoint import load_policy
 
     e = cfg.evaluate
     k = {task: e.samples if task in e.sample_tasks else 0 for task in data}
+    policy = load_policy(folder, device=cfg.model.device)  # `auto`: CUDA if available
+    policy.eval()
+    per_task = {}
+    for task, rows in data.items():
+        advance = None
+        if progress is not None:
+            passes = 1 + (1 if k[task] > 0 else 0)  # greedy, then the sampled groups
+            bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes, info="")
+            advance = lambda n, bar=bar: progress.advance(bar, n)  # noqa: E731
+        per_task[task] = evaluate_task(policy, rows, cfg, samples=k[task], advance=advance)
+    return ev.stage_metrics(per_task, k), per_task
+
+
+def _worker(cfg: Config, stage: str, folder: Path, data: dict[str, list[dict[str, Any]]]) -> str:
+    """One checkpoint in a worker process; the result goes back as JSON text (plain data only)."""
+    from pipeline.stages import apply_runtime
+
+    apply_runtime(cfg)
+    raw, per_task = _evaluate_checkpoint(cfg, stage, folder, data)
+    return json.dumps({"raw": raw, "predictions": per_task})
+
+
+def _evaluate_all(cfg: Config, data: dict[str, list[dict[str, Any]]], folders: dict[str, Path]):
+    """(rounded metrics {stage: {metric: value}}, predictions {(stage, task): rows}).
+
+    With several jobs, each checkpoint is scored in its own spawned process; every checkpoint's
+    figures are the same as in one process (greedy decoding, and a sampling generator seeded per
+    task), so the outputs are byte-identical whatever `evaluate.jobs` is."""
     raw: dict[str, dict[str, float | int]] = {}
     predictions: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    with progress_bar() as progress:
-        for stage, folder in folders.items():
-            policy = load_policy(folder, device=cfg.model.device)  # `auto`: CUDA if available
-            policy.eval()
-            per_task = {}
-            for task, rows in data.items():
-                passes = 1 + (1 if k[task] > 0 else 0)  # greedy, then the sampled groups
-                bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes, info="")
-                per_task[task] = evaluate_task(policy, rows, cfg, samples=k[task],
-                                               advance=lambda n, bar=bar: progress.advance(bar, n))
-                predictions[stage, task] = per_task[task]
-            raw[stage] = ev.stage_metrics(per_task, k)
-            del policy
+    jobs = eval_jobs(cfg, len(folders))
+    if jobs == 1:
+        with progress_bar() as progress:
+            for stage, folder in folders.items():
+                raw[stage], per_task = _evaluate_checkpoint(cfg, stage, folder, data, progress)
+                predictions.update({(stage, task): rows for task, rows in per_task.items()})
+        return ev.round_metrics(raw), predictions
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    log.info("evaluate: %d checkpoints, %d at a time (evaluate.jobs)", len(folders), jobs)
+    start = time.monotonic()
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {stage: pool.submit(_worker, cfg, stage, folder, data) for stage, folder in folders.items()}
+        for stage, future in futures.items():  # in `evaluate.stages` order, whichever ends first
+            result = json.loads(future.result())
+            log.info("evaluate: %s scored (%.0f s since the start)", stage, time.monotonic() - start)
+            raw[stage] = result["raw"]
+            predictions.update({(stage, task): rows for task, rows in result["predictions"].items()})
     return ev.round_metrics(raw), predictions
 
 
