@@ -161,9 +161,8 @@ def _evaluate_checkpoint(cfg: Config, stage: str, folder: Path, data: dict[str, 
 
 def _worker(cfg: Config, stage: str, folder: Path, data: dict[str, list[dict[str, Any]]]) -> str:
     """One checkpoint in a worker process; the result goes back as JSON text (plain data only)."""
-    from pipeline.stages import apply_runtime
-
-    apply_runtime(cfg)
+    if cfg.model.num_threads > 0:  # what the stage's own process runs under (pipeline.stages.apply_runtime)
+        torch.set_num_threads(cfg.model.num_threads)
     raw, per_task = _evaluate_checkpoint(cfg, stage, folder, data)
     return json.dumps({"raw": raw, "predictions": per_task})
 
