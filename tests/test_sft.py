@@ -3,6 +3,7 @@ a tiny SFT run whose loss falls (deterministically), and the `model.init` skip p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -87,6 +88,89 @@ def test_response_nll_ignores_prompt_and_padding(gpt_policy):
         expected -= sum(float(logp[t - 1, seq[t]]) for t in range(n_prompt, len(seq)))
     torch.set_grad_enabled(True)
     assert float(nll) == pytest.approx(expected, rel=1e-5)
+
+
+def _batch(V: int, prefix: int, lengths: list[tuple[int, int]], seed: int = 0) -> list[sft.Example]:
+    """Sequences sharing their first `prefix` tokens (a prompt template), then random tokens; (length, prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(4, V, (prefix,), generator=g).tolist()
+    return [(head + torch.randint(4, V, (n - prefix,), generator=g).tolist(), p) for n, p in lengths]
+
+
+def _loss_and_grads(policy, chunks: list[list[sft.Example]], plain: bool) -> tuple[float, list[torch.Tensor]]:
+    from pipeline.model import fastpaths
+
+    policy.module.zero_grad(set_to_none=True)
+    total = 0.0
+    for chunk in chunks:
+        with fastpaths.plain() if plain else contextlib.nullcontext():
+            nll, _ = sft.response_nll(policy, *sft.collate(chunk, 0, policy.device))
+        nll.backward()
+        total += float(nll.detach())
+    return total, [p.grad.clone() for p in policy.module.parameters()]
+
+
+def test_shared_columns_stop_at_the_first_difference_pad_or_response():
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 3, 0], [5, 6, 7, 8, 0]])
+    attn = (ids != 0).long()
+    none = torch.zeros_like(ids)
+    assert sft.shared_columns(ids, attn, none) == 3  # column 3 differs (8 vs 3)
+    target = none.clone()
+    target[0, 2] = 1  # a response token in column 2 of one row: the shared run stops before it
+    assert sft.shared_columns(ids, attn, target) == 2
+    assert sft.shared_columns(ids[:1], attn[:1], none[:1]) == 0  # one row shares with nobody
+    ids[1, 0] = 4
+    assert sft.shared_columns(ids, attn, none) == 0
+
+
+@pytest.mark.parametrize("lengths", [
+    [(12, 7), (9, 6), (15, 8), (7, 5)],  # a shared 5-token prefix, prompts 5-8 tokens
+    [(6, 5), (6, 5), (11, 9)],  # a row whose response starts right after the prefix
+    [(10, 3), (14, 6)],  # a prompt shorter than the shared tokens: the shared run stops at its response
+])
+def test_shared_prefix_loss_and_gradients_equal_the_plain_path(gpt_policy, lengths):
+    """The fast path (shared template columns run once, vocabulary projection from the first response
+    column) against the plain one: one padded forward over every column."""
+    gpt_policy.train()
+    batch = _batch(gpt_policy.tokenizer.vocab_size, 5, lengths)
+    plain, g_plain = _loss_and_grads(gpt_policy, [batch], plain=True)
+    fast, g_fast = _loss_and_grads(gpt_policy, [batch], plain=False)
+    assert fast == pytest.approx(plain, rel=1e-5)
+    for a, b in zip(g_fast, g_plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_length_chunks_is_the_cheapest_cut_and_keeps_every_example():
+    import itertools
+
+    rng = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        n = int(torch.randint(1, 8, (1,), generator=rng))
+        lengths = torch.randint(1, 40, (n,), generator=rng).tolist()
+        examples = [([1] * k, 0) for k in lengths]
+        cost = int(torch.randint(0, 30, (1,), generator=rng))
+        runs = sft.length_chunks(examples, cost)
+        assert sorted(len(e[0]) for r in runs for e in r) == sorted(lengths)  # a partition
+        got = sum(len(r) * max(len(e[0]) for e in r) + cost for r in runs)
+        ordered = sorted(lengths)
+        best = min(  # every cut of the sorted lengths into contiguous runs, by brute force
+            sum((b - a) * ordered[b - 1] + cost for a, b in zip((0, *cuts), (*cuts, n)))
+            for k in range(n) for cuts in itertools.combinations(range(1, n), k))
+        assert got == best, (lengths, cost)
+    assert sft.length_chunks([([1] * 5, 0), ([1] * 60, 0)], cost=10) == [[([1] * 5, 0)], [([1] * 60, 0)]]
+    assert len(sft.length_chunks([([1] * 5, 0), ([1] * 6, 0)], cost=10)) == 1  # not worth a second pass
+
+
+def test_a_batch_cut_by_length_has_the_gradient_of_the_whole_batch(gpt_policy):
+    gpt_policy.train()
+    batch = _batch(gpt_policy.tokenizer.vocab_size, 4, [(6, 4), (30, 9), (7, 5), (28, 6), (8, 4)], seed=1)
+    runs = sft.length_chunks(batch, cost=2)
+    assert len(runs) == 2
+    whole, g_whole = _loss_and_grads(gpt_policy, [batch], plain=True)
+    cut, g_cut = _loss_and_grads(gpt_policy, runs, plain=False)
+    assert cut == pytest.approx(whole, rel=1e-5)
+    for a, b in zip(g_cut, g_whole):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_mixed_batches_ratio_epochs_and_seed():
@@ -216,6 +300,7 @@ def test_non_finite_steps_are_skipped_counted_then_stop(workdir, monkeypatch):
         return (nll * float("nan") if calls["n"] in (5, 6) else nll), n  # both parts of step 3
 
     monkeypatch.setattr(sft, "response_nll", nan_on_third_step)
+    monkeypatch.setattr(sft, "length_chunks", lambda part: [part])  # one call per part: two per step
     out = sft.run_sft(smoke_config("sft.steps=4", "sft.eval_every=0", "sft.log_every=1"))
     assert out["skipped_steps"] == 1
     losses = [r["loss"] for r in read_csv(Path("plots/sft.csv"))]

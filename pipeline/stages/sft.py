@@ -59,6 +59,7 @@ from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
 from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_accuracy
+from pipeline.model import fastpaths
 from pipeline.model.lora import add_lora
 from pipeline.model.policy import Policy, build_policy
 from pipeline.progress import progress_bar
@@ -101,12 +102,57 @@ def collate(examples: Sequence[Example], pad_id: int, device: torch.device) -> t
     return ids.to(device), attn.to(device), target.to(device)
 
 
+def shared_columns(ids: torch.Tensor, attn: torch.Tensor, target: torch.Tensor) -> int:
+    """Leading columns that every row of the batch has in common (the same real tokens) and that hold
+    no response token: the prompt template's text before the question, in every SFT batch."""
+    if ids.shape[0] < 2:
+        return 0
+    same = (ids == ids[:1]).all(0) & attn.bool().all(0) & ~target.bool().any(0)  # (T,)
+    return int(same.long().cumprod(0).sum())
+
+
 def response_nll(policy, ids: torch.Tensor, attn: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(summed NLL of the response tokens, their count); position t predicts ids[:, t] from ids[:, :t]."""
-    logits = policy.logits(ids, attn)[:, :-1].float()  # (B, T-1, V)
-    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
-    mask = target[:, 1:].to(nll.dtype)  # (B, T-1)
-    return (nll * mask).sum(), int(mask.sum())
+    """(summed NLL of the response tokens, their count); position t predicts ids[:, t] from ids[:, :t].
+
+    Plain: the logits of every position, cross-entropy, the response tokens summed. Fast path
+    (`pipeline.model.fastpaths`): the columns the rows share (the template's text before the question)
+    run once for the whole batch and every row attends to their keys, and the vocabulary projection
+    starts at the first column a response token can follow (`Policy.token_logprobs`); the same sum
+    up to float rounding (tests/test_sft.py), at 20-40% less work per step."""
+    mask = target[:, 1:].float()  # (B, T-1)
+    if not fastpaths.enabled():
+        logits = policy.logits(ids, attn)[:, :-1].float()  # (B, T-1, V)
+        nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+        return (nll * mask).sum(), int(mask.sum())
+    start = max(1, shared_columns(ids, attn, target))  # at or before every row's first response token
+    logp = policy.token_logprobs(ids, attn, 1.0, start=start, group_size=ids.shape[0])  # (B, T); 0 before start
+    return -(logp[:, 1:] * mask).sum(), int(mask.sum())
+
+
+CHUNK_COST = 24  # padded positions one more forward/backward costs, in the split of a batch by length
+
+
+def length_chunks(examples: Sequence[Example], cost: int = CHUNK_COST) -> list[list[Example]]:
+    """`examples` sorted by length and cut into runs of similar length, each padded only to its own
+    longest: the cut that minimises padded positions plus `cost` per run (an exact dynamic program
+    over the sorted lengths). The loss is a sum over tokens, so the runs give the batch's gradient
+    (summed in another order); arithmetic solutions vary 2x in length, so one padded block wastes a
+    third of its positions."""
+    ordered = sorted(examples, key=lambda e: len(e[0]))
+    n = len(ordered)
+    lengths = [len(e[0]) for e in ordered]
+    best = [0.0] + [float("inf")] * n  # best[j]: the cheapest cut of the first j examples
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last run is ordered[i:j], padded to lengths[j - 1]
+            c = best[i] + (j - i) * lengths[j - 1] + cost
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    runs, j = [], n
+    while j:
+        runs.append(ordered[cut[j]:j])
+        j = cut[j]
+    return runs[::-1]
 
 
 class MixedBatches:
@@ -290,11 +336,11 @@ def sft_step(run: SFTRun, state: SFTState) -> float:
     n_tokens = sum(len(ids) - n_prompt for part in parts for ids, n_prompt in part)
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
-    for part in parts:
-        nll, _ = response_nll(policy, *collate(part, run.tok.pad_id, policy.device))
-        part_loss = nll / n_tokens
-        part_loss.backward()
-        loss += float(part_loss.detach())
+    for chunk in (c for part in parts for c in length_chunks(part)):
+        nll, _ = response_nll(policy, *collate(chunk, run.tok.pad_id, policy.device))
+        chunk_loss = nll / n_tokens
+        chunk_loss.backward()
+        loss += float(chunk_loss.detach())
     params = [p for p in policy.parameters() if p.requires_grad]
     norm = step_if_finite(optimizer, params, s.grad_clip, torch.tensor(loss))
     count_nonfinite(state, norm is not None, s.max_nonfinite, run.stage, f"step {state.step}", run.resume,
