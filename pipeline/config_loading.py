@@ -99,6 +99,7 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("sft.arith_max_level", 0 <= s.arith_max_level <= cfg.data.arith_max_level,
          "an integer in [0, data.arith_max_level] (0 = every level)"),
         ("sft.arith_hard_examples", s.arith_hard_examples >= 0, "an integer >= 0"),
+        ("sft.num_threads", s.num_threads >= 0, "an integer >= 0 (0 = model.num_threads)"),
         *_control_rules(cfg),
         ("evaluate.gsm8k_limit", e.gsm8k_limit >= 0, "an integer >= 0 (0 = all)"),
         ("evaluate.arith_limit", e.arith_limit >= 0, "an integer >= 0 (0 = all)"),

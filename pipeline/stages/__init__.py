@@ -26,12 +26,21 @@ _REGISTRY: dict[str, tuple[str, str, tuple[Any, ...]]] = {
 assert tuple(_REGISTRY) == STAGES, "one registry entry per stage, in pipeline order"
 
 
-def apply_runtime(cfg: Config) -> None:
-    """Process-wide settings every stage runs under."""
-    if cfg.model.num_threads > 0:
+def stage_threads(cfg: Config, stage: str) -> int:
+    """torch CPU threads of `stage` (0: torch's default): `sft.num_threads` for the sft stage where set,
+    else `model.num_threads`."""
+    if stage == "sft" and cfg.sft.num_threads > 0:
+        return cfg.sft.num_threads
+    return cfg.model.num_threads
+
+
+def apply_runtime(cfg: Config, stage: str) -> None:
+    """Process-wide settings `stage` runs under."""
+    threads = stage_threads(cfg, stage)
+    if threads > 0:
         import torch
 
-        torch.set_num_threads(cfg.model.num_threads)
+        torch.set_num_threads(threads)
 
 
 def stage_function(name: str) -> Callable[[Config], dict[str, Any]]:
@@ -46,7 +55,7 @@ def stage_function(name: str) -> Callable[[Config], dict[str, Any]]:
         from pipeline.lock import workspace_lock
 
         with workspace_lock(f"stage {name}"):  # one run per workspace, whoever started it
-            apply_runtime(cfg)
+            apply_runtime(cfg, name)
             return run(cfg, *args)
 
     return with_runtime

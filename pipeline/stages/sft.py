@@ -380,7 +380,7 @@ def stage_config(cfg: Config, stage: str) -> SFTConfig:
         return cfg.sft
     c = cfg.control
     return dataclasses.replace(cfg.sft, steps=c.steps, lr=c.lr, warmup_steps=c.warmup_steps,
-                               eval_every=c.eval_every, seed=c.seed)
+                               eval_every=c.eval_every, seed=c.seed, num_threads=0)
 
 
 def start_policy(cfg: Config) -> Policy:
