@@ -28,11 +28,15 @@ if str(ROOT) not in sys.path:
 
 
 def default_gsm8k() -> str:
-    """The local GSM8K copy named by $GSM8K (never the hub). The 80/30-row test fixture,
-    tests/fixtures/gsm8k, is enough for timing an iteration, not for the evaluate stage's batches."""
+    """The local GSM8K copy named by $GSM8K, else the one committed under datasets/gsm8k (never the
+    hub). The 80/30-row test fixture, tests/fixtures/gsm8k, is enough for timing an iteration, not for
+    the evaluate stage's batches."""
     cand = os.environ.get("GSM8K")
     if cand and Path(cand).exists():
         return str(Path(cand).resolve())
+    committed = ROOT / "datasets" / "gsm8k"
+    if (committed / "train.jsonl").is_file():
+        return str(committed)
     raise SystemExit("no local GSM8K copy: pass --gsm8k PATH or set GSM8K=PATH "
                      "(a folder with train.jsonl and test.jsonl)")
 

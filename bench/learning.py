@@ -1,9 +1,11 @@
 """Does GRPO beat its equal-compute SFT control?  Held-out arithmetic accuracy of the sft, control
 and warmup checkpoints over several seeds, with 95% intervals over the held-out problems and the seeds.
 
-For each seed s it runs the stages ``sft``, ``warmup`` and ``control`` of the given params (each
-stage's own seed set to s) in its own working folder under ``--work``, all sharing one prepared
-``data/``, ``--jobs`` seeds at a time (one torch thread each; a re-run keeps the stages that finished); then scores every checkpoint
+For each seed s it runs the stages ``sft``, then ``warmup`` and ``control`` side by side (as the
+pipeline's flow does), of the given params (each stage's own seed set to s; threads as the params
+say), in its own working folder under ``--work``, all sharing one prepared ``data/``, ``--jobs``
+seeds at a time (a re-run keeps the stages that finished; each stage's wall time is reported, so
+run one seed at a time on a 2-core machine for the pipeline's own timings); then scores every checkpoint
 greedily on the whole held-out set (``data/arith_eval.jsonl``) with the training verifier.
 
 Reported, per checkpoint: the mean accuracy over seeds with a 95% interval from a two-level
@@ -11,7 +13,7 @@ bootstrap (seeds resampled, then problems), each seed's figure, and the SFT's pl
 much held-out accuracy moved over its last 20% of steps, from ``plots/sft.csv``). Then the paired
 difference warmup - control (the same seed's checkpoints on the same problems) with its interval.
 
-    python bench/learning.py --gsm8k PATH --seeds 0 1 2 --jobs 2 --work runs/learning [--set k=v ...]
+    python bench/learning.py --seeds 0 1 2 --work runs/learning [--gsm8k PATH] [--jobs 1] [--set k=v ...]
     python bench/learning.py --work runs/learning --report      # re-read finished seeds only
     # under torch's AVX2 kernels on any CPU: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 python bench/learning.py ...
     # last line: JSON with every figure
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, default_gsm8k, machine_line  # noqa: E402
 
 STAGES = ("sft", "control", "warmup")  # in the table's order
-TRAIN_ORDER = ("sft", "warmup", "control")  # the pipeline's order
+SIDE_BY_SIDE = ("warmup", "control")  # after the sft, run at once (the pipeline's graph)
 BOOTSTRAP = 10_000
 
 
@@ -70,10 +72,17 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
         (folder / "data").symlink_to(data.resolve())
     sets = [*overrides, f"sft.seed={seed}", f"warmup.seed={seed}", f"control.seed={seed}"]
     wall = {}
-    with open(folder / "stages.log", "a") as log:
-        for stage in TRAIN_ORDER:  # a stage whose checkpoint exists finished (checkpoints appear atomically)
-            if not (folder / "checkpoints" / stage / "config.json").is_file():
-                wall[stage] = round(run_stage(folder, stage, sets, log), 1)
+
+    def stage(name: str) -> None:  # a stage whose checkpoint exists finished (checkpoints appear atomically)
+        if not (folder / "checkpoints" / name / "config.json").is_file():
+            with open(folder / f"{name}.log", "a") as log:
+                wall[name] = round(run_stage(folder, name, sets, log), 1)
+
+    stage("sft")
+    # warmup and control side by side, one core each, as the pipeline's flow runs them
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(stage, name) for name in SIDE_BY_SIDE]:
+            f.result()
     result = {"seed": seed, "wall_s": wall, "correct": score(folder), "sft_curve": sft_curve(folder)}
     done.write_text(json.dumps(result))
     return result
@@ -160,12 +169,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, type=Path, help="working folder (kept: finished seeds are reused)")
     ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
-    ap.add_argument("--gsm8k", default=None, help="local GSM8K folder (default: $GSM8K)")
+    ap.add_argument("--gsm8k", default=None, help="local GSM8K folder (default: $GSM8K, else datasets/gsm8k)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1, help="seeds at a time")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--report", action="store_true", help="only report the seeds already finished")
     args = ap.parse_args()
+    args.work = args.work.resolve()  # the stages run with their seed's folder as working directory
     overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
     print(machine_line(1))
     if args.report:
