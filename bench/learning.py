@@ -35,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, default_gsm8k, machine_line  # noqa: E402
 
+from pipeline.lock import workspace_lock  # noqa: E402
+
 STAGES = ("sft", "control", "warmup")  # in the table's order
 SIDE_BY_SIDE = ("warmup", "control")  # after the sft, run at once (the pipeline's graph)
 BOOTSTRAP = 10_000
@@ -78,11 +80,13 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
             with open(folder / f"{name}.log", "a") as log:
                 wall[name] = round(run_stage(folder, name, sets, log), 1)
 
-    stage("sft")
-    # warmup and control side by side, one core each, as the pipeline's flow runs them
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for f in [pool.submit(stage, name) for name in SIDE_BY_SIDE]:
-            f.result()
+    # the seed's folder is one workspace: this process holds its lock and the stages pass through it
+    # (pipeline.lock), so warmup and control can run side by side, one core each, as the flow runs them
+    with workspace_lock(f"bench/learning.py seed {seed}", root=folder):
+        stage("sft")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(stage, name) for name in SIDE_BY_SIDE]:
+                f.result()
     result = {"seed": seed, "wall_s": wall, "correct": score(folder), "sft_curve": sft_curve(folder)}
     done.write_text(json.dumps(result))
     return result
