@@ -109,9 +109,9 @@ class ModelConfig:
 class SFTConfig:
     """SFT warm start on curriculum arithmetic + GSM8K solutions"""
 
-    steps: int = 4000
-    """Optimizer steps of supervised fine-tuning: on the default budget of 500 worked solutions (each seen
-    about 110 times) the SFT ends at its plateau, docs/results/learning.md."""
+    steps: int = 4500
+    """Optimizer steps of supervised fine-tuning: on the default budget of 1,000 worked solutions (each seen
+    about 60 times) the SFT ends at its plateau, docs/results/learning.md."""
     batch_size: int = 16
     """Sequences per step."""
     lr: float = 3e-3
@@ -128,7 +128,7 @@ class SFTConfig:
     """Training sequences longer than this many tokens are dropped."""
     log_every: int = 100
     """Steps between metric logs."""
-    eval_every: int = 400
+    eval_every: int = 450
     """Steps between validation loss and held-out arithmetic accuracy (the default's checks fall at every
     10% of the run, so the plateau check compares the last two)."""
     eval_samples: int = 200
@@ -139,7 +139,7 @@ class SFTConfig:
     """Resumable checkpoints kept."""
     max_nonfinite: int = 3
     """Stop with an error after this many consecutive non-finite steps."""
-    arith_examples: int = 500
+    arith_examples: int = 1000
     """Worked arithmetic solutions SFT learns from: the first N rows of the training stream (0 = all of it);
     GRPO's warmup still draws its problems (questions and verified answers only) from the whole stream. The
     default is RLVR's premise: a budget of worked solutions, verified answers without limit."""
