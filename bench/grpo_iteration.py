@@ -29,7 +29,8 @@ GPU's datasheet dense bf16 peak where known (H100/H200 SXM: 989.4 TFLOP/s) and
 ``torch.cuda.max_memory_allocated``. ``bench/device_check.sh`` runs it eager and compiled on a GPU.
 
     .venv/bin/python bench/grpo_iteration.py [--params params.yaml] [--set grpo.group_size=16 ...]
-        [--gsm8k PATH] [--threads 1] [--iters 1] [--ab-full-logits] [--ab-shared-prompt]
+        [--gsm8k PATH] [--threads 1] [--iters 1] [--stage grpo|warmup] [--ab-full-logits] [--ab-shared-prompt]
+        [--ab-recompute-old]
 
 The last line printed is a JSON object.
 """
@@ -41,9 +42,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (GRPOIterations, ShapePeak, alternate, cpu_has_bf16_kernels, default_gsm8k, emit, machine_line,
-                    matmul_ceiling, matmul_params, matmul_peak, matmul_weights, median, prepare_with_random_policy,
-                    timed, workdir)
+from common import (GRPOIterations, ShapePeak, alternate, cpu_has_bf16_kernels, default_gsm8k, emit, fmt_ratios,
+                    machine_line, matmul_ceiling, matmul_params, matmul_peak, matmul_weights, median, pair_ratios,
+                    prepare_with_random_policy, timed, workdir)
 
 import torch
 
@@ -80,6 +81,24 @@ def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, 
             "scoring": 0.0}
 
 
+def _twin_recomputing_old(cfg, stage: str):
+    """One iteration of a second set-up (same seeds) that recomputes the old log-probs with a forward
+    pass of the policy instead of reusing the rollout's (`pipeline.stages.grpo.reuses_sampled_logprobs`
+    off for its iterations only)."""
+    import pipeline.stages.grpo as grpo_mod
+
+    twin = GRPOIterations(cfg, stage)
+
+    def iteration():
+        reuse = grpo_mod.reuses_sampled_logprobs
+        grpo_mod.reuses_sampled_logprobs = lambda policy: False
+        try:
+            return twin.iteration()
+        finally:
+            grpo_mod.reuses_sampled_logprobs = reuse
+    return iteration
+
+
 def _twin(cfg, stage: str, patch):
     """One iteration of a second set-up (same seeds, so the same prompts and widths) whose
     policies' `token_logprobs` is replaced by `patch(original)`."""
@@ -107,6 +126,10 @@ def main() -> None:
     ap.add_argument("--ab-shared-prompt", action="store_true",
                     help="also time a twin trainer whose log-prob passes run every row's prompt "
                          "(token_logprobs group_size=1: no shared prompt), alternating")
+    ap.add_argument("--ab-recompute-old", action="store_true",
+                    help="also time a twin trainer that recomputes the old log-probs with a forward pass instead "
+                         "of taking the rollout's recorded ones (matters with several optimizer steps per "
+                         "iteration: --stage warmup, or minibatch_groups / grpo_epochs), alternating")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -115,7 +138,7 @@ def main() -> None:
 
     from pipeline.model.policy import resolve_device
 
-    gsm8k = args.gsm8k or default_gsm8k()
+    gsm8k = str(Path(args.gsm8k).resolve()) if args.gsm8k else default_gsm8k()  # the bench runs in a temp dir
     # A random-init policy earns reward 0 on every row, so with dynamic sampling every group would be
     # dropped and re-rolled until the last round: the bench would time top-up rounds that a trained
     # policy mostly skips, and count the FLOPs of the kept rollout only. It times the plain iteration.
@@ -165,6 +188,8 @@ def main() -> None:
             runs["full_logits"] = _twin(cfg, args.stage, lambda lp: lambda *a, start=1, group_size=1, **k: lp(*a, **k))
         if args.ab_shared_prompt:  # each row runs its own prompt (no `group_size`)
             runs["per_row_prompts"] = _twin(cfg, args.stage, lambda lp: lambda *a, group_size=1, **k: lp(*a, **k))
+        if args.ab_recompute_old:  # the old pass recomputed (the plain path of that lever only)
+            runs["recomputed_old"] = _twin_recomputing_old(cfg, args.stage)
         all_times = alternate(runs, args.iters)
         times = all_times["iteration"]
         metrics = metrics[1:]  # drop the warm-up
@@ -184,8 +209,9 @@ def main() -> None:
     B, rows, Tp = g.prompts_per_iter, ro.input_ids.shape[0], ro.prompt_len
     steps = ro.input_ids.shape[1] - Tp
     single = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter)
+    old_pass = not single and not grpo_mod.reuses_sampled_logprobs(policy)  # else the rollout's own log-probs
     shared = policy._shares_prompt(ro.input_ids, ro.attention_mask, Tp, g.group_size)
-    flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=not single, shared=shared)
+    flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=old_pass, shared=shared)
     wall = median(times)
     mid = min(range(len(times)), key=lambda i: abs(times[i] - wall))  # the (closest to) median iteration
     phase_s = {p: metrics[mid][f"time_{p}"] for p in PHASES}  # its phases, so they add up to its wall time
@@ -239,6 +265,14 @@ def main() -> None:
                    "per_row_prompts_times": [round(t, 4) for t in all_times["per_row_prompts"]]})
         print(f"A/B: every row's prompt in the log-prob passes {row_s:.3f}s vs once per group {wall:.3f}s "
               f"= {row_s / wall:.2f}x (" + ", ".join(f"{t:.3f}" for t in all_times["per_row_prompts"]) + ")")
+    if args.ab_recompute_old:
+        old_s = median(all_times["recomputed_old"])
+        ab.update({"recomputed_old_s": round(old_s, 4), "recorded_old_speedup": round(old_s / wall, 3),
+                   "recomputed_old_times": [round(t, 4) for t in all_times["recomputed_old"]],
+                   "recorded_old_pairs": pair_ratios(all_times, "recomputed_old", "iteration")})
+        print(f"A/B: old log-probs recomputed {old_s:.3f}s vs the rollout's recorded ones {wall:.3f}s = "
+              f"{old_s / wall:.2f}x; paired {fmt_ratios(ab['recorded_old_pairs'])} ("
+              + ", ".join(f"{t:.3f}" for t in all_times["recomputed_old"]) + ")")
     emit({"bench": "grpo_iteration", "params": args.params, "overrides": args.overrides, "threads": args.threads,
           "seconds_per_iteration": round(wall, 4), "times": [round(t, 4) for t in times],
           "phases_s": {k: round(v, 4) for k, v in phase_s.items()},

@@ -13,6 +13,8 @@ path everywhere, so one equivalence test can run the same work both ways
 - decode steps of HF Llama/Qwen2 and of the from-scratch GPT: one flat function with fused q/k/v
   and gate/up weights instead of the model's modules (``pipeline.model.fused_decode``);
 - GRPO log-prob passes: each group's shared prompt run once (``Policy.token_logprobs``);
+- GRPO's old log-probs with several optimizer steps per rollout batch: the rollout's recorded ones in
+  fp32 instead of another forward pass (``pipeline.stages.grpo.reuses_sampled_logprobs``);
 - log p(target): a fused backward instead of autograd's graph of log-softmax and gather.
 """
 

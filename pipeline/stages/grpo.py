@@ -39,6 +39,7 @@ from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_accuracy
 from pipeline.group_sampling import Groups, Verifier, fitting_rows, sample_groups
 from pipeline.grpo import group_advantages, grpo_loss, informative_fraction, loss_units
+from pipeline.model import fastpaths
 from pipeline.model.lora import AdaptersOff, add_lora
 from pipeline.model.policy import Policy
 from pipeline.progress import progress_bar
@@ -173,7 +174,7 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
     # --- old and reference log-probs, without grad (responses start at ro.prompt_len) -------------
     _sync(run.policy)
     t_lp = time.perf_counter()
-    old_lp, ref_lp = old_and_ref_logprobs(run, ro.input_ids, ro.attention_mask, ro.prompt_len)
+    old_lp, ref_lp = old_and_ref_logprobs(run, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.logprobs)
     _sync(run.policy)
     t_upd = time.perf_counter()
     # --- the update: grpo_epochs passes over minibatches of whole groups --------------------------
@@ -271,9 +272,16 @@ def micro_batches(rows: slice, size: int) -> list[slice]:
     return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
 
 
-def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, start: int):
+def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, start: int,
+                         sampled: torch.Tensor | None = None):
     """(old, ref) per-token log-probs under inference mode, `micro_batch_size` rows per pass;
-    either may be None (see `Batch`)."""
+    either may be None (see `Batch`).
+
+    old: None with one optimizer step per iteration (the policy has not moved since sampling, so
+    old = new.detach() exactly; TRL does the same). Otherwise the log-probs the rollout recorded while
+    sampling (`sampled`, PPO's behaviour log-probs: the same weights, temperature and full-vocabulary
+    distribution as a recomputed pass, to fp32 rounding) where :func:`reuses_sampled_logprobs` says
+    they are that, else one more forward pass of the policy under no grad."""
     conf = run.conf
     single_step = conf.grpo_epochs == 1 and conf.minibatch_groups in (0, conf.prompts_per_iter // run.world)
     group = math.gcd(conf.micro_batch_size, conf.group_size) if conf.micro_batch_size else conf.group_size
@@ -284,11 +292,24 @@ def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, st
                           for sl in parts])
 
     with torch.inference_mode():
-        # One optimizer step per iteration: the policy has not moved since sampling, so
-        # old = new.detach() exactly (TRL does the same); otherwise recompute under no grad.
-        old = None if single_step else passes(run.policy)
+        if single_step:
+            old = None
+        elif sampled is not None and reuses_sampled_logprobs(run.policy):
+            old = sampled
+        else:
+            old = passes(run.policy)
         ref = passes(run.ref) if run.ref else None
     return old, ref
+
+
+def reuses_sampled_logprobs(policy: Policy) -> bool:
+    """Whether the rollout's recorded log-probs stand in for a recomputed old pass (a fast path,
+    `pipeline.model.fastpaths`): compute and weights in fp32, where the decode path and the training
+    forward agree to ~1e-6 (tests/test_old_logprobs.py). Under bf16 (autocast or bf16 weights) the two
+    paths round differently by ~1e-2, enough to move the clipped ratio, so the old pass is recomputed
+    with the training forward, as verl and TRL do for their rollout engines."""
+    return (fastpaths.enabled() and policy.autocast_dtype is None
+            and all(p.dtype == torch.float32 for p in policy.module.parameters()))
 
 
 def accumulate_gradients(policy: Policy, conf: GRPOConfig, batch: Batch, rows: slice):
