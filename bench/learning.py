@@ -15,6 +15,7 @@ difference warmup - control (the same seed's checkpoints on the same problems) w
 
     python bench/learning.py --seeds 0 1 2 --work runs/learning [--gsm8k PATH] [--jobs 1] [--set k=v ...]
     python bench/learning.py --work runs/learning --report      # re-read finished seeds only
+    python bench/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
     # under torch's AVX2 kernels on any CPU: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 python bench/learning.py ...
     # last line: JSON with every figure
 """
@@ -112,6 +113,17 @@ def score(folder: Path) -> dict[str, list[int]]:
     return out
 
 
+def scored_run(folder: Path) -> dict:
+    """One finished pipeline run as a seed's result: the evaluate stage's greedy correctness per
+    held-out problem (``reports/predictions_<stage>_arith.csv``: the same verifier as :func:`score`,
+    with the stage's own generation budget) and the SFT curve (``plots/sft.csv``); no wall times."""
+    out = {}
+    for stage in STAGES:
+        with open(folder / "reports" / f"predictions_{stage}_arith.csv") as f:
+            out[stage] = [int(r["correct"] in ("True", "1", "true")) for r in csv.DictReader(f)]
+    return {"seed": "run", "correct": out, "sft_curve": sft_curve(folder), "wall_s": {}}
+
+
 def sft_curve(folder: Path) -> list[tuple[int, float]]:
     with open(folder / "plots" / "sft.csv") as f:
         return [(int(r["step"]), float(r["arith_accuracy"])) for r in csv.DictReader(f) if r.get("arith_accuracy")]
@@ -155,6 +167,8 @@ def report(results: list[dict]) -> dict:
     mean, low, high = bootstrap(diffs, rng)
     table["warmup_minus_control"] = {"mean": round(mean, 4), "ci95": [round(low, 4), round(high, 4)],
                                      "seeds": [round(sum(d) / len(d), 4) for d in diffs]}
+    # discordant problems of each seed: (solved by the warmup only, by the control only)
+    table["discordant"] = [[sum(d > 0 for d in ds), sum(d < 0 for d in ds)] for ds in diffs]
     table["sft_plateau_move"] = [plateau_move(r["sft_curve"]) for r in results]
     table["wall_s"] = {r["seed"]: r["wall_s"] for r in results}
     print(f"{len(results)} seeds ({', '.join(str(r['seed']) for r in results)}), "
@@ -163,34 +177,45 @@ def report(results: list[dict]) -> dict:
         t = table[stage]
         print(f"  {stage:22s} {100 * t['mean']:6.1f}%  [{100 * t['ci95'][0]:5.1f}, {100 * t['ci95'][1]:5.1f}]  "
               f"seeds: {' / '.join(f'{100 * s:.1f}' for s in t['seeds'])}")
+    print(f"  problems only the warmup / only the control solves, per seed: {table['discordant']}")
     print(f"  SFT accuracy moved over its last 20% of steps: {table['sft_plateau_move']}")
     for seed, wall in table["wall_s"].items():
-        print(f"  seed {seed} stage wall s: {wall}")
+        if wall:
+            print(f"  seed {seed} stage wall s: {wall}")
     return table
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", required=True, type=Path, help="working folder (kept: finished seeds are reused)")
+    ap.add_argument("--work", type=Path, help="working folder (kept: finished seeds are reused)")
     ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
     ap.add_argument("--gsm8k", default=None, help="local GSM8K folder (default: $GSM8K, else datasets/gsm8k)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=1, help="seeds at a time")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--report", action="store_true", help="only report the seeds already finished")
+    ap.add_argument("--run", type=Path, default=None,
+                    help="report one finished pipeline run instead (a folder with the evaluate stage's reports/ "
+                         "and plots/sft.csv, e.g. the repo after `make run`): the paired warmup - control "
+                         "interval over its held-out problems")
     args = ap.parse_args()
-    args.work = args.work.resolve()  # the stages run with their seed's folder as working directory
+    if args.run is None and args.work is None:
+        ap.error("--work is required (or --run)")
     overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
     print(machine_line(1))
-    if args.report:
+    if args.run is not None:
+        results = [scored_run(args.run)]
+    elif args.report:
+        args.work = args.work.resolve()
         results = [json.loads(p.read_text()) for p in sorted(args.work.glob("seed-*/scores.json"))]
     else:
+        args.work = args.work.resolve()  # the stages run with their seed's folder as working directory
         data = prepare(args.work, args.params, args.gsm8k or default_gsm8k(), overrides)
         with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(train_seed, args.work, args.params, data, s, overrides) for s in args.seeds]
             results = [f.result() for f in futures]
     if not results:
-        raise SystemExit(f"no finished seed under {args.work}")
+        raise SystemExit(f"no finished seed under {args.work or args.run}")
     table = report(sorted(results, key=lambda r: r["seed"]))
     print(json.dumps({"overrides": args.overrides, **table}))
 
