@@ -4,7 +4,7 @@ The DVC stages call this (and the Prefect tasks run the DVC stages). ``all`` run
 this process under one MLflow parent run and the workspace lock; ``summary`` prints the headline
 numbers of the workspace; ``compare`` lists the experiment's MLflow runs side by side.
 User mistakes (bad config, missing input files, bad data, a busy workspace) print one line on
-stderr and exit 2. A stage with ``nproc > 1`` (warmup, grpo) is started here under torchrun, one
+stderr and exit 2. A stage with ``nproc > 1`` (sft, control, warmup, grpo) is started here under torchrun, one
 process per rank, holding the workspace lock for its ranks; the stages themselves never start processes.
 """
 

@@ -149,10 +149,16 @@ class SFTConfig:
     arith_hard_examples: int = 0
     """With `arith_max_level`: worked solutions still kept from the harder levels, the first N of them in the
     stream (a scarce budget of hard worked solutions beside plentiful verified answers)."""
-    num_threads: int = 2
-    """torch intra-op CPU threads of the sft stage, which runs alone in the pipeline's graph (0 =
-    `model.num_threads`); the control, which runs beside the warmup, keeps `model.num_threads`. A run's
-    figures depend on its thread count (float sums), so it is a param like any other."""
+    num_threads: int = 1
+    """torch intra-op CPU threads of each process of the sft stage (0 = `model.num_threads`); the control,
+    which runs beside the warmup, keeps `model.num_threads`. A run's figures depend on its thread and
+    process counts (float sums), so they are params like any other."""
+    nproc: int = 2
+    """Processes (torchrun DDP) for this stage, which runs alone in the pipeline's graph: each rank takes
+    a share of every batch's sequences (balanced by tokens) and the gradients are summed, the
+    single-process update up to float rounding; the held-out checks are split across ranks too. On the
+    2-core default, two processes of one thread are 1.25x one process of two threads per step
+    (docs/results/speed.md)."""
     seed: int = 0
     """Seed for init, batching and dropout."""
 
@@ -171,6 +177,9 @@ class ControlConfig:
     """Linear LR warmup steps, then cosine decay to 10% of `lr`."""
     eval_every: int = 300
     """Steps between validation loss and held-out arithmetic accuracy."""
+    nproc: int = 1
+    """Processes (torchrun DDP) for this stage, as `sft.nproc` (the default runs beside the warmup, one core
+    each)."""
     seed: int = 0
     """Seed for batching and dropout."""
 
@@ -267,9 +276,10 @@ class WarmupConfig(GRPOConfig):
 # column-by-column level-4 answer needs up to ~68 tokens), more prompts, a schedule, dynamic sampling on
 # (the same end point in two thirds of the iterations, docs/results/cpu-defaults.md), and four clipped
 # updates per rollout batch (minibatches of 4 groups); the temperature stays grpo's 1.0, which keeps more
-# groups informative than 0.7 on a start that solves most problems (docs/results/learning.md).
+# groups informative than 0.7 on a start that solves most problems (docs/results/learning.md). 165
+# iterations take the control's wall time (the two run side by side, one core each).
 WARMUP_DEFAULTS: dict[str, Any] = dict(
-    iterations=150, prompts_per_iter=16, minibatch_groups=4, lr=1e-4, lr_schedule="cosine", warmup_iters=10,
+    iterations=165, prompts_per_iter=16, minibatch_groups=4, lr=1e-4, lr_schedule="cosine", warmup_iters=10,
     dynamic_sampling=True, rollout_len=72, eval_every=50, eval_samples=200, save_every=10,
 )
 

@@ -100,6 +100,7 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
          "an integer in [0, data.arith_max_level] (0 = every level)"),
         ("sft.arith_hard_examples", s.arith_hard_examples >= 0, "an integer >= 0"),
         ("sft.num_threads", s.num_threads >= 0, "an integer >= 0 (0 = model.num_threads)"),
+        ("sft.nproc", s.nproc >= 1, "an integer >= 1"),
         *_control_rules(cfg),
         ("evaluate.gsm8k_limit", e.gsm8k_limit >= 0, "an integer >= 0 (0 = all)"),
         ("evaluate.arith_limit", e.arith_limit >= 0, "an integer >= 0 (0 = all)"),
@@ -125,6 +126,7 @@ def _control_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("control.lr", c.lr > 0, "a number > 0"),
         ("control.warmup_steps", c.warmup_steps >= 0, "an integer >= 0"),
         ("control.eval_every", c.eval_every >= 0, "an integer >= 0"),
+        ("control.nproc", c.nproc >= 1, "an integer >= 1"),
     ]
 
 

@@ -133,3 +133,33 @@ def loss_weight(local: float) -> float:
         return 1.0
     total = _all_reduce_sum(_scalars([local])).item()
     return dist.get_world_size() * local / max(total, 1.0)
+
+
+def sum_gradients(params: list[torch.nn.Parameter], scalars: list[float]) -> list[float]:
+    """Sum every parameter's gradient over ranks, and `scalars` with them, in one collective (a
+    missing gradient counts as zeros and is then set). Each rank backpropagates its share of a batch
+    whose loss is normalised by the global count, so the sum is the whole batch's gradient. Without
+    torchrun: nothing moves, `scalars` come back unchanged."""
+    if not dist.is_initialized():
+        return list(scalars)
+    device = collective_device()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([*(g.reshape(-1).to(device, torch.float32) for g in grads),
+                      torch.tensor([float(v) for v in scalars], dtype=torch.float32, device=device)])
+    _all_reduce_sum(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        summed = flat[offset: offset + n].view_as(g).to(g.dtype)
+        if p.grad is None:
+            p.grad = summed.to(p.device)
+        else:
+            p.grad.copy_(summed)
+        offset += n
+    return flat[offset:].double().cpu().tolist()
+
+
+def shard(items: list[Any]) -> list[Any]:
+    """This rank's share of `items`: every world-size-th one from its rank (the whole list without
+    torchrun); over a list sorted by length, each rank gets about the same amount of work."""
+    return items[rank()::world_size()]

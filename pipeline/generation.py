@@ -17,16 +17,19 @@ from pipeline.rollout import rollout_prompts
 EVAL_BATCH = 64  # prompts per greedy generation batch of `greedy_accuracy`
 
 
-def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> float | None:
-    """Fraction of `rows` whose greedy completion's `<answer>` matches the gold number."""
-    if not rows:
-        return None
+def greedy_correct(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> int:
+    """How many of `rows` have a greedy completion whose `<answer>` matches the gold number."""
     correct = 0
     for s in range(0, len(rows), EVAL_BATCH):
         batch = rows[s:s + EVAL_BATCH]
         ro = rollout_prompts(policy, [r["prompt"] for r in batch], 1, max_new_tokens, greedy=True)
         correct += sum(answers_match(extract_answer(t), r["gold"]) for t, r in zip(ro.texts, batch))
-    return correct / len(rows)
+    return correct
+
+
+def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> float | None:
+    """Fraction of `rows` whose greedy completion's `<answer>` matches the gold number."""
+    return greedy_correct(policy, rows, max_new_tokens) / len(rows) if rows else None
 
 
 def generate(policy, prompts: Sequence[str], *, batch_size: int, max_new_tokens: int, group_size: int = 1,

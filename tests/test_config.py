@@ -133,19 +133,21 @@ def test_cli_print_config_applies_overrides():
 
 
 def test_the_sft_stage_alone_runs_on_sft_num_threads():
-    """The sft stage runs alone in the pipeline's graph and takes `sft.num_threads`; the control and the
-    warmup, which run side by side, and every other stage take `model.num_threads`."""
+    """The sft stage runs alone in the pipeline's graph: `sft.nproc` processes of `sft.num_threads` threads
+    each (the default fills two cores); the control and the warmup, which run side by side, and every
+    other stage take `model.num_threads`."""
     import torch
 
     from pipeline.stages import apply_runtime, stage_threads
 
     cfg = load_config(ROOT / "params.yaml")
-    assert stage_threads(cfg, "sft") == cfg.sft.num_threads == 2
+    assert cfg.sft.nproc * stage_threads(cfg, "sft") == 2 and cfg.control.nproc == 1
     assert {stage_threads(cfg, s) for s in ("prepare", "warmup", "control", "grpo", "evaluate")} == {1}
     assert stage_threads(load_config(ROOT / "params.yaml", ["sft.num_threads=0"]), "sft") == 1
+    assert stage_threads(load_config(ROOT / "params.yaml", ["sft.num_threads=3"]), "sft") == 3
     saved = torch.get_num_threads()
     try:
-        apply_runtime(cfg, "sft")
+        apply_runtime(load_config(ROOT / "params.yaml", ["sft.num_threads=2"]), "sft")
         assert torch.get_num_threads() == 2
         apply_runtime(cfg, "control")
         assert torch.get_num_threads() == 1

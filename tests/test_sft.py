@@ -344,3 +344,112 @@ def test_missing_prepared_data_is_a_one_line_input_error(prepared, tmp_path, mon
     shutil.copy(prepared / "tokenizer.json", "data/tokenizer.json")
     with pytest.raises(InputError, match=r"arith_train.jsonl: not found \(run the 'prepare' stage first\)"):
         sft.run_sft(smoke_config())
+
+
+# --------------------------------------------------------------------------- several processes (torchrun)
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(st.lists(st.integers(1, 250), min_size=0, max_size=16), min_size=1, max_size=2),
+       world=st.integers(2, 4))
+def test_rank_shares_partition_the_batch_with_balanced_tokens(parts, world):
+    """The ranks' shares are disjoint and together the whole batch (every source's part), and their
+    token counts differ by at most the longest example (longest-first to the least-loaded rank)."""
+    batch = [[([7] * n, 0) for n in lengths] for lengths in parts]
+    shares = [sft.rank_share(batch, r, world) for r in range(world)]
+    assert sorted(id(e) for s in shares for e in s) == sorted(id(e) for part in batch for e in part)
+    totals = [sum(len(ids) for ids, _ in s) for s in shares]
+    longest = max((n for lengths in parts for n in lengths), default=0)
+    assert max(totals) - min(totals) <= longest
+    assert sft.rank_share([[([1] * 9, 0), ([1] * 5, 0)], [([1] * 4, 0)]], 1, 2) == [([1] * 5, 0), ([1] * 4, 0)]
+
+
+def _sft_cli(cwd: Path, *overrides: str, steps: int = 12):
+    import subprocess
+    import sys
+
+    sets = [*SMOKE_OVERRIDES, f"sft.steps={steps}", "sft.eval_every=6", "sft.save_every=6", *overrides]
+    cmd = [sys.executable, "-m", "pipeline", "sft", "--params", str(REPO / "configs" / "smoke.yaml"),
+           *[x for o in sets for x in ("--set", o)]]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False, timeout=300)
+
+
+@pytest.mark.slow
+def test_sft_under_torchrun_equals_one_process(prepared, tmp_path):
+    """sft.nproc=2 (gloo): every rank takes half of each batch and the gradients are summed, so the
+    weights after 12 steps equal one process's to float rounding, the logged losses and the sharded
+    held-out checks agree, rank 0 alone writes the outputs and the resume states are cleaned up."""
+    runs = {}
+    for nproc in (1, 2):
+        cwd = tmp_path / f"nproc{nproc}"
+        shutil.copytree(prepared, cwd / "data")
+        res = _sft_cli(cwd, f"sft.nproc={nproc}")
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[nproc] = cwd
+    from tests.conftest import weights
+
+    a, b = weights(runs[1] / "checkpoints" / "sft"), weights(runs[2] / "checkpoints" / "sft")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=2e-5)
+    one, two = read_csv(runs[1] / "plots" / "sft.csv"), read_csv(runs[2] / "plots" / "sft.csv")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == ["4", "6", "8", "12"]
+    for r1, r2 in zip(one, two):
+        for col in ("loss", "val_loss"):
+            if r1[col]:
+                assert float(r2[col]) == pytest.approx(float(r1[col]), rel=1e-4), (col, r1, r2)
+        if r1["arith_accuracy"]:  # 8 problems, 4 per rank, counted over both
+            assert abs(float(r2["arith_accuracy"]) - float(r1["arith_accuracy"])) <= 1 / 8
+    assert float(one[-1]["loss"]) < float(one[0]["loss"]) - 0.3  # it trained: 12 steps at lr 1e-2
+    assert not (runs[2] / "checkpoints" / "sft.resume").exists()
+
+
+@pytest.mark.slow
+def test_sft_nproc_without_torchrun_is_an_input_error(prepared, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(prepared, tmp_path / "data")
+    with pytest.raises(InputError, match=r"sft.nproc = 2 needs 2 processes: run the stage through"):
+        sft.run_sft(smoke_config("sft.nproc=2"))
+
+
+@pytest.mark.slow
+def test_sft_under_torchrun_killed_resumes_bit_identically(prepared, tmp_path):
+    """sft.nproc=2: SIGKILL the CLI, torchrun and both ranks after the step-6 resume state, re-run: the
+    weights and series equal an uninterrupted 2-process run's, bit for bit (rank 0 wrote the state,
+    every rank resumes from it)."""
+    import subprocess
+    import sys
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    from tests.conftest import weights
+
+    ref, cwd = tmp_path / "uninterrupted", tmp_path / "killed"
+    for d in (ref, cwd):
+        shutil.copytree(prepared, d / "data")
+    res = _sft_cli(ref, "sft.nproc=2", steps=18)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    sets = [*SMOKE_OVERRIDES, "sft.steps=18", "sft.eval_every=6", "sft.save_every=6", "sft.nproc=2"]
+    cmd = [sys.executable, "-m", "pipeline", "sft", "--params", str(REPO / "configs" / "smoke.yaml"),
+           *[x for o in sets for x in ("--set", o)]]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not any((cwd / "checkpoints" / "sft.resume").glob("step_000006")):
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before it could be killed: {proc.stdout.read()}")
+        time.sleep(0.02)
+    tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for p in tree:
+        p.kill()
+    psutil.wait_procs(tree, timeout=30)
+    proc.wait()
+    assert not (cwd / "checkpoints" / "sft" / "model.safetensors").exists()
+    res = _sft_cli(cwd, "sft.nproc=2", steps=18)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming from" in res.stderr
+    a, b = weights(ref / "checkpoints" / "sft"), weights(cwd / "checkpoints" / "sft")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert (ref / "plots" / "sft.csv").read_text() == (cwd / "plots" / "sft.csv").read_text()

@@ -53,12 +53,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pipeline import distributed as dist_utils
 from pipeline.checkpoint import check_architecture, init_policy, load_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
 from pipeline.data.prompts import response_text
 from pipeline.errors import InputError
 from pipeline.files import read_rows, write_series_csv
-from pipeline.generation import greedy_accuracy
+from pipeline.generation import greedy_correct
 from pipeline.model import fastpaths
 from pipeline.model.lora import add_lora
 from pipeline.model.policy import Policy, build_policy
@@ -206,11 +207,14 @@ def validation_loss(policy, examples: Sequence[Example], pad_id: int) -> float |
     was_training = policy.module.training
     policy.eval()
     total, count = 0.0, 0
-    ordered = sorted(examples, key=lambda e: len(e[0]))  # similar lengths together: less padding
+    # similar lengths together: less padding; under torchrun each rank scores every world-size-th one
+    ordered = dist_utils.shard(sorted(examples, key=lambda e: len(e[0])))
     for s in range(0, len(ordered), EVAL_BATCH):
         nll, n = response_nll(policy, *collate(ordered[s:s + EVAL_BATCH], pad_id, policy.device))
         total, count = total + float(nll), count + n
     policy.train(was_training)
+    if dist_utils.world_size() > 1:
+        total, count = dist_utils.sum_across_ranks([total, count])
     return total / max(count, 1)
 
 
@@ -281,20 +285,24 @@ class SFTRun:
     dropped: int  # training sequences dropped for length
     policy: Policy
     optimizer: torch.optim.Optimizer
+    rank: int = 0
+    world: int = 1
 
 
 def run_sft(cfg: Config, stage: str = "sft") -> dict[str, Any]:
     """The SFT stage, or the control (see the module docstring): the same loop shape as GRPO's, over SFTState."""
     if stage == "sft" and cfg.model.init:
-        return _copy_init(cfg, OUT, CSV)
+        result = _copy_init(cfg, OUT, CSV) if dist_utils.rank() == 0 else {}
+        dist_utils.barrier()
+        return result
     started = time.monotonic()
     run = setup(cfg, stage)
-    s = run.conf
+    s, is_main = run.conf, run.rank == 0
     key = compatibility_key(cfg, stage)
     state = load_resume(run.resume, key, SFTState, run.policy, run.optimizer, None) or SFTState()
     if state.batches:
         run.batches.load(state.batches)
-    with stage_logger(cfg, stage) as tracker, progress_bar() as bar:
+    with stage_logger(cfg, stage, enabled=is_main) as tracker, progress_bar(enabled=is_main) as bar:
         tracker.log_params({f"{stage}/num_params": run.policy.num_params(), f"{stage}/dropped_long": run.dropped})
         task = bar.add_task(stage, total=s.steps, completed=state.step, info="")
         run.policy.train()
@@ -308,40 +316,72 @@ def run_sft(cfg: Config, stage: str = "sft") -> dict[str, Any]:
             bar.update(task, completed=step, info=f"loss {loss:.3f}")
             # --- log, evaluate, save ----------------------------------------------------------------
             if step % s.log_every == 0 or last:
-                log_loss(tracker, run.stage, state, lr, s.steps)
+                log_loss(tracker, run.stage, state, lr, s.steps, is_main)
             if (s.eval_every and step % s.eval_every == 0) or last:
-                evaluate(run, state, tracker)
-                write_series(run.csv, state.series)
-            if step % s.save_every == 0 and not last:
+                evaluate(run, state, tracker)  # every rank: the checks are sharded
+                if is_main:
+                    write_series(run.csv, state.series)
+            if step % s.save_every == 0 and not last and is_main:
                 state.batches = run.batches.state()
                 save_resume(run.resume, step, key, state, run.policy, run.optimizer, None, s.keep_last)
         if s.steps == 0:  # nothing trained: still report the initial model
             state.final = held_out(run)
             _record(state.series, 0, state.final)
         wall = time.monotonic() - started
-        save_policy(run.out, run.policy, extra_state={"stage": stage, "step": s.steps, "seed": s.seed, **state.final})
-        write_series(run.csv, state.series)
-        tracker.log_metrics({f"{stage}/wall_s": wall}, step=s.steps)
-        tracker.log_artifact(run.csv)
-    shutil.rmtree(run.resume, ignore_errors=True)
+        if is_main:
+            save_policy(run.out, run.policy,
+                        extra_state={"stage": stage, "step": s.steps, "seed": s.seed, **state.final})
+            write_series(run.csv, state.series)
+            tracker.log_metrics({f"{stage}/wall_s": wall}, step=s.steps)
+            tracker.log_artifact(run.csv)
+    dist_utils.barrier()  # the checkpoint is written before any rank reports the stage done
+    if is_main:
+        shutil.rmtree(run.resume, ignore_errors=True)
     return {"checkpoint": str(run.out), "plots": str(run.csv), "steps": s.steps, "num_params": run.policy.num_params(),
             "dropped_long": run.dropped, **state.final, "wall_s": round(wall, 1), "skipped_steps": state.skipped}
 
 
+def rank_share(parts: Sequence[Sequence[Example]], rank: int, world: int) -> list[Example]:
+    """This rank's examples of a batch (all its sources' parts): longest first, each to the rank with
+    the fewest tokens so far (ties: the lower rank), so the ranks' token counts differ by at most one
+    example's length and none waits long for the others at the gradient sum."""
+    items = [e for part in parts for e in part]
+    order = sorted(range(len(items)), key=lambda i: (-len(items[i][0]), i))
+    loads, mine = [0] * world, []
+    for i in order:
+        r = min(range(world), key=lambda k: (loads[k], k))
+        loads[r] += len(items[i][0])
+        if r == rank:
+            mine.append(items[i])
+    return mine
+
+
 def sft_step(run: SFTRun, state: SFTState) -> float:
-    """Token-mean response NLL over the whole batch, one forward/backward per source, then a step
-    unless the loss or gradient is non-finite (skipped and counted, pipeline.training)."""
+    """Token-mean response NLL over the whole batch, one forward/backward per run of similar length,
+    then a step unless the loss or gradient is non-finite (skipped and counted, pipeline.training).
+
+    Under torchrun every rank draws the same batch (the same seeded order), takes its share
+    (:func:`rank_share`, cut by length like the whole batch) and normalises by the whole batch's token
+    count; the gradients and the loss
+    are then summed over ranks (`pipeline.distributed.sum_gradients`), so every rank steps with the
+    whole batch's gradient: the single-process update up to the order of float sums (tests/test_sft.py)."""
     s, policy, optimizer = run.conf, run.policy, run.optimizer
     parts = run.batches.next()
     n_tokens = sum(len(ids) - n_prompt for part in parts for ids, n_prompt in part)
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
-    for chunk in (c for part in parts for c in length_chunks(part)):
+    if run.world == 1:
+        chunks = [c for part in parts for c in length_chunks(part)]
+    else:
+        chunks = length_chunks(rank_share(parts, run.rank, run.world))
+    for chunk in chunks:
         nll, _ = response_nll(policy, *collate(chunk, run.tok.pad_id, policy.device))
         chunk_loss = nll / n_tokens
         chunk_loss.backward()
         loss += float(chunk_loss.detach())
     params = [p for p in policy.parameters() if p.requires_grad]
+    if run.world > 1:
+        (loss,) = dist_utils.sum_gradients(params, [loss])
     norm = step_if_finite(optimizer, params, s.grad_clip, torch.tensor(loss))
     count_nonfinite(state, norm is not None, s.max_nonfinite, run.stage, f"step {state.step}", run.resume,
                     "sft")
@@ -350,26 +390,31 @@ def sft_step(run: SFTRun, state: SFTState) -> float:
     return loss
 
 
-def log_loss(tracker: Logger, stage: str, state: SFTState, lr: float, total: int) -> None:
+def log_loss(tracker: Logger, stage: str, state: SFTState, lr: float, total: int, is_main: bool = True) -> None:
     mean_loss = sum(state.window) / len(state.window) if state.window else float("nan")
     state.window.clear()
     _record(state.series, state.step, {"loss": mean_loss})
     tracker.log_metrics({f"{stage}/loss": mean_loss, f"{stage}/lr": lr}, step=state.step)
-    log.info("%s step %d/%d loss %.4f lr %.2e", stage, state.step, total, mean_loss, lr)
+    if is_main:
+        log.info("%s step %d/%d loss %.4f lr %.2e", stage, state.step, total, mean_loss, lr)
 
 
 def held_out(run: SFTRun) -> dict[str, float | None]:
     """Validation loss on gsm8k_val and greedy accuracy on the held-out arithmetic slice."""
-    return {"val_loss": validation_loss(run.policy, run.val, run.tok.pad_id),
-            "arith_accuracy": greedy_accuracy(run.policy, run.eval_rows, run.max_new)}
+    accuracy = None
+    if run.eval_rows:  # under torchrun each rank scores every world-size-th problem
+        correct = greedy_correct(run.policy, dist_utils.shard(run.eval_rows), run.max_new)
+        accuracy = dist_utils.sum_across_ranks([correct])[0] / len(run.eval_rows)
+    return {"val_loss": validation_loss(run.policy, run.val, run.tok.pad_id), "arith_accuracy": accuracy}
 
 
 def evaluate(run: SFTRun, state: SFTState, tracker: Logger) -> None:
     state.final = held_out(run)
     _record(state.series, state.step, state.final)
     tracker.log_metrics({f"{run.stage}/{k}": v for k, v in state.final.items() if v is not None}, step=state.step)
-    log.info("%s step %d val_loss %s arith_accuracy %s", run.stage, state.step, state.final["val_loss"],
-             state.final["arith_accuracy"])
+    if run.rank == 0:
+        log.info("%s step %d val_loss %s arith_accuracy %s", run.stage, state.step, state.final["val_loss"],
+                 state.final["arith_accuracy"])
 
 
 def stage_config(cfg: Config, stage: str) -> SFTConfig:
@@ -380,7 +425,7 @@ def stage_config(cfg: Config, stage: str) -> SFTConfig:
         return cfg.sft
     c = cfg.control
     return dataclasses.replace(cfg.sft, steps=c.steps, lr=c.lr, warmup_steps=c.warmup_steps,
-                               eval_every=c.eval_every, seed=c.seed, num_threads=0)
+                               eval_every=c.eval_every, seed=c.seed, num_threads=0, nproc=c.nproc)
 
 
 def start_policy(cfg: Config) -> Policy:
@@ -417,6 +462,10 @@ def setup(cfg: Config, stage: str = "sft") -> SFTRun:
     """Seeded; tokenizer, data, batch order, policy and optimizer at step 0. The control's policy and
     tokenizer are checkpoints/sft's; the SFT's a fresh model over data/tokenizer.json."""
     s, data = stage_config(cfg, stage), Path(DATA_DIR)
+    rank, world = dist_utils.rank(), dist_utils.world_size()  # before the model: binds this rank's GPU
+    if s.nproc > 1 and world == 1:
+        raise InputError(f"{stage}.nproc = {s.nproc} needs {s.nproc} processes: run the stage through "
+                         f"`python -m pipeline {stage}`, which starts them with torchrun")
     seed_everything(s.seed)
     start = start_policy(cfg) if stage == "control" else None
     tok = start.tokenizer if start is not None else _load_tokenizer()
@@ -435,10 +484,11 @@ def setup(cfg: Config, stage: str = "sft") -> SFTRun:
     eval_resp = max((len(r) for r in tok.encode_batch([response_text(r["solution"]) for r in eval_rows])), default=0)
     max_new = max(1, min(eval_resp + 8, cfg.model.block_size - eval_prompt))
     policy = start if start is not None else build_policy(cfg.model, tok)
+    dist_utils.use_device(policy.device)  # NCCL collectives need tensors on the GPU
     optimizer = build_optimizer(policy.module, s.lr, s.weight_decay)
     ckpt = Path(CHECKPOINT_DIR)
     return SFTRun(cfg, stage, s, ckpt / stage, Path(PLOTS_DIR) / f"{stage}.csv", ckpt / f"{stage}.resume", tok,
-                  batches, val, eval_rows, max_new, dropped_a + dropped_g, policy, optimizer)
+                  batches, val, eval_rows, max_new, dropped_a + dropped_g, policy, optimizer, rank, world)
 
 
 def compatibility_key(cfg: Config, stage: str = "sft") -> str:
