@@ -336,3 +336,20 @@ def grpo_workdir(grpo_prepared, tmp_path, monkeypatch):
     shutil.copytree(grpo_prepared, dst)
     monkeypatch.chdir(dst)
     return dst
+
+
+def kill_tree_at(cmd: list[str], cwd: Path, env: dict, marker: Path, timeout: float = 240) -> None:
+    """Start `cmd`, wait until the file or folder `marker` exists (a resume state), then SIGKILL the process
+    and every descendant (a torchrun launcher's ranks run outside the caller's process group)."""
+    psutil = pytest.importorskip("psutil")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and not marker.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before it could be killed: {proc.stdout.read()}")
+        time.sleep(0.02)
+    tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    for p in tree:
+        p.kill()
+    psutil.wait_procs(tree, timeout=30)
+    proc.wait()

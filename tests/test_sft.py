@@ -417,12 +417,9 @@ def test_sft_under_torchrun_killed_resumes_bit_identically(prepared, tmp_path):
     """sft.nproc=2: SIGKILL the CLI, torchrun and both ranks after the step-6 resume state, re-run: the
     weights and series equal an uninterrupted 2-process run's, bit for bit (rank 0 wrote the state,
     every rank resumes from it)."""
-    import subprocess
     import sys
-    import time
 
-    psutil = pytest.importorskip("psutil")
-    from tests.conftest import weights
+    from tests.conftest import kill_tree_at, weights
 
     ref, cwd = tmp_path / "uninterrupted", tmp_path / "killed"
     for d in (ref, cwd):
@@ -434,17 +431,7 @@ def test_sft_under_torchrun_killed_resumes_bit_identically(prepared, tmp_path):
     cmd = [sys.executable, "-m", "pipeline", "sft", "--params", str(REPO / "configs" / "smoke.yaml"),
            *[x for o in sets for x in ("--set", o)]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and not any((cwd / "checkpoints" / "sft.resume").glob("step_000006")):
-        if proc.poll() is not None:
-            pytest.fail(f"run ended before it could be killed: {proc.stdout.read()}")
-        time.sleep(0.02)
-    tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    for p in tree:
-        p.kill()
-    psutil.wait_procs(tree, timeout=30)
-    proc.wait()
+    kill_tree_at(cmd, cwd, env, cwd / "checkpoints" / "sft.resume" / "step_000006")
     assert not (cwd / "checkpoints" / "sft" / "model.safetensors").exists()
     res = _sft_cli(cwd, "sft.nproc=2", steps=18)
     assert res.returncode == 0, res.stderr[-3000:]

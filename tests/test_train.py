@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from tests.conftest import GSM8K, smoke_cfg, weights
+from tests.conftest import GSM8K, kill_tree_at, smoke_cfg, weights
 from tests.conftest import REPO as ROOT
 
 
@@ -203,7 +203,6 @@ def test_ddp_kill_and_resume_is_bit_identical_per_rank(workdir, tmp_path):
     """2 processes (gloo): SIGKILL the CLI, torchrun and both ranks mid-run, re-run: the final weights and
     series equal an uninterrupted 2-process run's. Each rank resumes with its own sampling RNG
     (rank 0 writes every rank's), not rank 0's."""
-    psutil = pytest.importorskip("psutil")
     overrides = ("grpo.nproc=2", "grpo.iterations=8", "grpo.save_every=2", "grpo.eval_every=0")
     ref_dir = tmp_path / "uninterrupted"
     shutil.copytree(workdir, ref_dir)
@@ -213,19 +212,7 @@ def test_ddp_kill_and_resume_is_bit_identical_per_rank(workdir, tmp_path):
     cmd = [sys.executable, "-m", "pipeline", "grpo", "--params", str(ROOT / "configs" / "smoke.yaml"),
            "--set", f"data.gsm8k_source={GSM8K}", *[x for o in overrides for x in ("--set", o)]]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    resume = workdir / "checkpoints" / "grpo.resume"
-    deadline = time.time() + 240
-    while time.time() < deadline and not any(resume.glob("step_000002")):
-        if proc.poll() is not None:
-            pytest.fail(f"run ended before it could be killed: {proc.stdout.read()}")
-        time.sleep(0.05)
-    # the CLI, torchrun and both ranks (torchrun's ranks run outside the CLI's process group)
-    tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    for p in tree:
-        p.kill()
-    psutil.wait_procs(tree, timeout=30)
-    proc.wait()
+    kill_tree_at(cmd, workdir, env, workdir / "checkpoints" / "grpo.resume" / "step_000002")
     assert not (workdir / "checkpoints" / "grpo").exists()
     res = _run_cli("grpo", *overrides, cwd=workdir)
     assert res.returncode == 0, res.stderr[-3000:]
