@@ -157,8 +157,8 @@ class SFTConfig:
     """Processes (torchrun DDP) for this stage, which runs alone in the pipeline's graph: each rank takes
     a share of every batch's sequences (balanced by tokens) and the gradients are summed, the
     single-process update up to float rounding; the held-out checks are split across ranks too. On the
-    2-core default, two processes of one thread are 1.25x one process of two threads per step
-    (docs/results/speed.md)."""
+    2-core default, two processes of one thread run a step 1.14x as fast as one process of two
+    threads (docs/results/speed.md)."""
     seed: int = 0
     """Seed for init, batching and dropout."""
 
