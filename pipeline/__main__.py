@@ -42,16 +42,38 @@ def _nproc(cfg, stage: str) -> int:
     return getattr(getattr(cfg, stage, None), "nproc", 1)
 
 
+def ranks_env(cfg, stage: str, nproc: int, cuda_devices: int) -> dict[str, str]:
+    """What the ranks' environment needs beyond ours, given this machine's CUDA device count.
+
+    A model on the CPU: no GPU is visible to the ranks, so they take gloo (with a GPU visible they
+    would take NCCL, which has no CPU tensors). A model on CUDA: one device per rank, so `nproc`
+    above the device count is an InputError naming the key (NCCL cannot put two ranks on one GPU)."""
+    from pipeline.errors import InputError
+
+    device = str(cfg.model.device)
+    on_cuda = device.startswith("cuda") or (device == "auto" and cuda_devices > 0)
+    if not on_cuda:
+        return {"CUDA_VISIBLE_DEVICES": ""} if cuda_devices else {}
+    if nproc > cuda_devices:
+        raise InputError(f"{stage}.nproc = {nproc} needs {nproc} CUDA devices (one per rank) and this machine has "
+                         f"{cuda_devices}; set {stage}.nproc to at most {max(cuda_devices, 1)} (or model.device to cpu "
+                         "for processes on the CPU)")
+    return {}
+
+
 def run_under_torchrun(cfg, stage: str, nproc: int) -> int:
     """Run `python -m pipeline STAGE` with this config in `nproc` processes (torchrun, DDP; rank 0
     writes the outputs and prints the result line); its exit status."""
+    import torch
+
+    env = {**os.environ, **ranks_env(cfg, stage, nproc, torch.cuda.device_count())}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(dump_config(cfg))
         params = f.name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "pipeline", stage, "--params", params]
     try:
-        return subprocess.run(cmd, check=False).returncode
+        return subprocess.run(cmd, check=False, env=env).returncode
     finally:
         os.unlink(params)
 

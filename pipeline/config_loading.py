@@ -101,6 +101,8 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("sft.arith_hard_examples", s.arith_hard_examples >= 0, "an integer >= 0"),
         ("sft.num_threads", s.num_threads >= 0, "an integer >= 0 (0 = model.num_threads)"),
         ("sft.nproc", s.nproc >= 1, "an integer >= 1"),
+        ("sft.nproc", s.nproc == 1 or m.dropout == 0,
+         "1 while model.dropout > 0 (the ranks would draw their dropout masks from one seeded stream)"),
         *_control_rules(cfg),
         ("evaluate.gsm8k_limit", e.gsm8k_limit >= 0, "an integer >= 0 (0 = all)"),
         ("evaluate.arith_limit", e.arith_limit >= 0, "an integer >= 0 (0 = all)"),
@@ -127,6 +129,8 @@ def _control_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("control.warmup_steps", c.warmup_steps >= 0, "an integer >= 0"),
         ("control.eval_every", c.eval_every >= 0, "an integer >= 0"),
         ("control.nproc", c.nproc >= 1, "an integer >= 1"),
+        ("control.nproc", c.nproc == 1 or cfg.model.dropout == 0,
+         "1 while model.dropout > 0 (the ranks would draw their dropout masks from one seeded stream)"),
     ]
 
 

@@ -84,6 +84,7 @@ def test_dump_round_trips():
     ("evaluate.stages=[sft, ppo]", r"evaluate\.stages .*sft, control, warmup, grpo"),
     ("evaluate.jobs=-1", r"evaluate\.jobs = -1 is out of range; allowed: an integer >= 0 \(0 = auto\)"),
     ("model.backend=hf", r"model\.backend .*model\.init"),
+    ("model.dropout=0.1", r"sft\.nproc = 2 is out of range; allowed: 1 while model\.dropout > 0"),
 ])
 def test_bad_values_name_the_key(override, pattern):
     with pytest.raises(ConfigError, match=pattern) as info:
@@ -153,3 +154,30 @@ def test_the_sft_stage_alone_runs_on_sft_num_threads():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(saved)
+
+
+def test_control_nproc_refuses_dropout_too():
+    with pytest.raises(ConfigError, match=r"control\.nproc = 2 is out of range; allowed: 1 while model\.dropout"):
+        load_config(ROOT / "params.yaml", ["sft.nproc=1", "control.nproc=2", "model.dropout=0.1"])
+    assert load_config(ROOT / "params.yaml", ["sft.nproc=1", "model.dropout=0.1"]).model.dropout == 0.1
+
+
+def test_torchrun_ranks_get_gloo_on_the_cpu_and_one_gpu_each_on_cuda():
+    """The launcher's environment for the ranks: a CPU model hides the GPUs (so the ranks take gloo,
+    not NCCL, which has no CPU tensors); a CUDA model needs a device per rank, else one line naming
+    the key."""
+    from pipeline.__main__ import ranks_env
+    from pipeline.errors import InputError
+
+    def cfg(device):
+        return load_config(ROOT / "params.yaml", [f"model.device={device}"])
+
+    assert ranks_env(cfg("auto"), "sft", 2, 0) == {}  # no GPU: gloo anyway
+    assert ranks_env(cfg("cpu"), "sft", 2, 0) == {}
+    assert ranks_env(cfg("cpu"), "sft", 2, 4) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert ranks_env(cfg("auto"), "grpo", 8, 8) == {} and ranks_env(cfg("cuda"), "sft", 2, 2) == {}
+    with pytest.raises(InputError, match=r"^sft\.nproc = 2 needs 2 CUDA devices \(one per rank\) and this machine "
+                                         r"has 1; set sft\.nproc to at most 1"):
+        ranks_env(cfg("auto"), "sft", 2, 1)
+    with pytest.raises(InputError, match=r"warmup\.nproc = 4 needs 4 CUDA devices"):
+        ranks_env(cfg("cuda"), "warmup", 4, 0)
