@@ -6,7 +6,8 @@ pipeline's flow does), of the given params (each stage's own seed set to s; thre
 say), in its own working folder under ``--work``, all sharing one prepared ``data/``, ``--jobs``
 seeds at a time (a re-run keeps the stages that finished; each stage's wall time is reported, so
 run one seed at a time on a 2-core machine for the pipeline's own timings); then scores every checkpoint
-greedily on the whole held-out set (``data/arith_eval.jsonl``) with the training verifier.
+greedily on the held-out set (``data/arith_eval.jsonl``) exactly as the evaluate stage does (its batch
+size, generation budget and verifier), so seed 0 of the default params gives metrics/eval.json's figures.
 
 Reported, per checkpoint: the mean accuracy over seeds with a 95% interval from a two-level
 bootstrap (seeds resampled, then problems), each seed's figure, and the SFT's plateau check (how
@@ -15,6 +16,7 @@ difference warmup - control (the same seed's checkpoints on the same problems) w
 
     python bench/learning.py --seeds 0 1 2 --work runs/learning [--gsm8k PATH] [--jobs 1] [--set k=v ...]
     python bench/learning.py --work runs/learning --report      # re-read finished seeds only
+    python bench/learning.py --work runs/learning --report --rescore   # ... scoring their checkpoints again
     python bench/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
     # under torch's AVX2 kernels on any CPU: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 python bench/learning.py ...
     # last line: JSON with every figure
@@ -36,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, default_gsm8k, machine_line  # noqa: E402
 
+from pipeline.files import write_bytes_atomic  # noqa: E402
 from pipeline.lock import workspace_lock  # noqa: E402
 
 STAGES = ("sft", "control", "warmup")  # in the table's order
@@ -64,6 +67,11 @@ def prepare(work: Path, params: Path, gsm8k: str, overrides: list[str]) -> Path:
     return base / "data"
 
 
+def seed_sets(seed: int) -> list[str]:
+    """The overrides that make a run seed `seed`: each training stage's own seed."""
+    return [f"sft.seed={seed}", f"warmup.seed={seed}", f"control.seed={seed}"]
+
+
 def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[str]) -> dict:
     folder = work / f"seed-{seed}"
     done = folder / "scores.json"
@@ -73,7 +81,7 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
     shutil.copy(params, folder / "params.yaml")
     if not (folder / "data").exists():
         (folder / "data").symlink_to(data.resolve())
-    sets = [*overrides, f"sft.seed={seed}", f"warmup.seed={seed}", f"control.seed={seed}"]
+    sets = [*overrides, *seed_sets(seed)]
     wall = {}
 
     def stage(name: str) -> None:  # a stage whose checkpoint exists finished (checkpoints appear atomically)
@@ -88,29 +96,37 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for f in [pool.submit(stage, name) for name in SIDE_BY_SIDE]:
                 f.result()
-    result = {"seed": seed, "wall_s": wall, "correct": score(folder), "sft_curve": sft_curve(folder)}
-    done.write_text(json.dumps(result))
+    result = {"seed": seed, "wall_s": wall, "correct": score(folder, sets), "sft_curve": sft_curve(folder)}
+    write_bytes_atomic(done, json.dumps(result).encode())
     return result
 
 
-def score(folder: Path) -> dict[str, list[int]]:
-    """Greedy correctness (0/1) of each checkpoint on every held-out problem, in file order."""
+def greedy_predictions(folder: Path, overrides: list[str]) -> dict[str, list[dict]]:
+    """Each checkpoint's prediction rows on the held-out problems, in file order: the evaluate stage's
+    own greedy pass (:func:`pipeline.stages.evaluate.evaluate_task`: its `evaluate.batch_size`,
+    `evaluate.max_new_tokens` and verifier), so a seed's figures are the ones its pipeline run puts in
+    metrics/eval.json."""
     import torch
 
     from pipeline.checkpoint import load_policy
-    from pipeline.evaluation import score_completion
-    from pipeline.files import read_rows
-    from pipeline.generation import generate
+    from pipeline.config_loading import load_config
+    from pipeline.stages.evaluate import TASK_FILES, evaluate_task, load_rows
 
+    cfg = load_config(folder / "params.yaml", overrides)
     torch.set_num_threads(1)
-    rows = read_rows(folder / "data" / "arith_eval.jsonl")
+    rows = load_rows(folder / "data" / TASK_FILES["arith"], cfg.evaluate.arith_limit)
     out = {}
     for stage in STAGES:
         policy = load_policy(folder / "checkpoints" / stage, device="cpu")
         policy.eval()
-        texts, _, _ = generate(policy, [r["prompt"] for r in rows], batch_size=100, max_new_tokens=96)
-        out[stage] = [int(score_completion(t, float(r["gold"]), "arith")["correct"]) for t, r in zip(texts, rows)]
+        out[stage] = evaluate_task(policy, rows, cfg, samples=0)
     return out
+
+
+def score(folder: Path, overrides: list[str]) -> dict[str, list[int]]:
+    """Greedy correctness (0/1) of each checkpoint on every held-out problem, in file order."""
+    return {stage: [int(p["correct"]) for p in preds]
+            for stage, preds in greedy_predictions(folder, overrides).items()}
 
 
 def scored_run(folder: Path) -> dict:
@@ -194,6 +210,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="seeds at a time")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--report", action="store_true", help="only report the seeds already finished")
+    ap.add_argument("--rescore", action="store_true",
+                    help="with --report: score the finished seeds' checkpoints again (and keep the new scores)")
     ap.add_argument("--run", type=Path, default=None,
                     help="report one finished pipeline run instead (a folder with the evaluate stage's reports/ "
                          "and plots/sft.csv, e.g. the repo after `make run`): the paired warmup - control "
@@ -208,6 +226,11 @@ def main() -> None:
     elif args.report:
         args.work = args.work.resolve()
         results = [json.loads(p.read_text()) for p in sorted(args.work.glob("seed-*/scores.json"))]
+        if args.rescore:
+            for r in results:
+                folder = args.work / f"seed-{r['seed']}"
+                r["correct"] = score(folder, [*overrides, *seed_sets(r["seed"])])
+                write_bytes_atomic(folder / "scores.json", json.dumps(r).encode())
     else:
         args.work = args.work.resolve()  # the stages run with their seed's folder as working directory
         data = prepare(args.work, args.params, args.gsm8k or default_gsm8k(), overrides)

@@ -53,3 +53,56 @@ def test_a_finished_run_is_reported_paired_from_its_predictions(tmp_path):
     assert table["warmup_minus_control"]["mean"] == pytest.approx(0.4)  # 2 of 5 problems, none the other way
     assert table["discordant"] == [[2, 0]]  # problems 1 and 3: the warmup only; none: the control only
     assert table["sft_plateau_move"] == [pytest.approx(0.01)]
+
+
+@pytest.mark.slow
+def test_a_seed_is_scored_as_its_evaluate_stage_scores_it(tmp_path):
+    """bench/learning.py end to end on the smoke params (one seed: sft, then warmup and control side by
+    side), then the pipeline's own evaluate stage in that seed's folder: the bench's greedy pass gives
+    the evaluate stage's completions and correctness on every held-out problem (same batch size,
+    generation budget and verifier), so its seed-0 figures are the ones a pipeline run commits."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench.learning import STAGES, greedy_predictions, seed_sets
+
+    root = Path(__file__).resolve().parents[2]
+    smoke, gsm8k = root / "configs" / "smoke.yaml", root / "tests" / "fixtures" / "gsm8k"
+    work = tmp_path / "work"
+    res = subprocess.run([sys.executable, str(root / "bench" / "learning.py"), "--params", str(smoke),
+                          "--gsm8k", str(gsm8k), "--seeds", "3", "--work", str(work)],
+                         capture_output=True, text=True, check=False, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    table = json.loads(res.stdout.strip().splitlines()[-1])
+    seed = work / "seed-3"
+    scores = json.loads((seed / "scores.json").read_text())
+    assert scores["seed"] == 3 and set(scores["wall_s"]) == set(STAGES)
+    # the seed's stages ran with its own seed, and the table is its scores
+    assert [table[s]["seeds"][0] for s in STAGES] == [round(sum(c) / len(c), 4) for c in
+                                                     (scores["correct"][s] for s in STAGES)]
+    overrides = ["tracking.enabled=false", "model.num_threads=1", *seed_sets(3)]
+    evaluate = [sys.executable, "-m", "pipeline", "evaluate", "--params", "params.yaml",
+                "--set", "evaluate.stages=[sft,control,warmup]", "--set", "evaluate.samples=0",
+                "--set", "evaluate.gsm8k_limit=1"]
+    for o in overrides:
+        evaluate += ["--set", o]
+    res = subprocess.run(evaluate, cwd=seed, env={**os.environ, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, check=False, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ours = greedy_predictions(seed, overrides)
+    run = scored_run(seed)
+    for stage in STAGES:
+        with open(seed / "reports" / f"predictions_{stage}_arith.csv") as f:
+            theirs = list(csv.DictReader(f))
+        assert [p["completion"] for p in ours[stage]] == [r["completion"] for r in theirs], stage
+        assert scores["correct"][stage] == run["correct"][stage], stage
+    # --report --rescore scores the finished seed's checkpoints again and keeps the new scores
+    stale = {**scores, "correct": {s: [1 - c for c in col] for s, col in scores["correct"].items()}}
+    (seed / "scores.json").write_text(json.dumps(stale))
+    res = subprocess.run([sys.executable, str(root / "bench" / "learning.py"), "--work", str(work), "--report",
+                          "--rescore"], capture_output=True, text=True, check=False, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((seed / "scores.json").read_text())["correct"] == scores["correct"]
