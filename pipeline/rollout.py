@@ -4,7 +4,11 @@
 distinct prompts, repeats the cache G times (group-contiguous rows ``i*G .. i*G+G-1``), then
 decodes all N = B*G rows together, one token per step, from the cache. Stop detection is
 vectorised (a row is done after end-of-text or `</answer>`); the loop ends when every row is done
-or after `max_new_tokens`.
+or after `max_new_tokens`. Greedy decoding of one row per prompt (evaluation, held-out checks)
+drops the rows that have stopped from the decoder's cache every `COMPACT_EVERY` steps once they are
+a quarter of the rows still decoding: GSM8K completions vary in length, and about half of a fixed
+batch's row-steps would otherwise go to rows that have already answered. Sampled rollouts keep
+every row (one uniform per row per step), so their draws do not depend on when rows stop.
 
 Recorded log-probs: ``logprobs[:, t] = log_softmax(logits / temperature)[token]``, the
 FULL-vocabulary distribution at the sampling temperature, before top-k / top-p truncation (the
@@ -108,6 +112,8 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
 
 
 _CDF_BLOCK = 64
+COMPACT_EVERY = 8  # greedy one-row-per-prompt decoding: every this many steps, ...
+COMPACT_FRACTION = 4  # ... drop the stopped rows once they are at least 1/this of the rows decoding
 
 
 def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -163,6 +169,47 @@ def rollout_prompts(policy: Policy, prompts: list[str], group_size: int, max_new
     return rollout
 
 
+def _decode(decoder, logits, next_pos, max_new_tokens: int, stop, pad_id: int, compact: bool, sample):
+    """The decode loop from the prefill's `logits` (N, V): (tokens (N, max_new_tokens) padded after
+    each row's stop, their log-probs, lengths (N,), done (N,): stopped on a stop token, the last step
+    index). With `compact`, the rows that have stopped leave the decoder's cache every
+    `COMPACT_EVERY` steps once they are 1/`COMPACT_FRACTION` of the rows still decoding: `active`
+    holds the rows in the cache, `stopped` their part of `done`."""
+    N, dev = logits.shape[0], logits.device
+    out_tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+    out_logp = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=dev)
+    done = torch.zeros(N, dtype=torch.bool, device=dev)  # stopped on a stop token
+    lengths = torch.zeros(N, dtype=torch.long, device=dev)
+    pad = torch.tensor(pad_id, device=dev)
+    check_every = 8 if dev.type == "cuda" else 1  # `done.all()` syncs the GPU: check sparsely
+    active, stopped = None, done
+    for t in range(max_new_tokens):
+        tokens, logp = sample(logits)  # (n,), (n,)
+        tokens = torch.where(stopped, pad, tokens)
+        logp = logp.masked_fill(stopped, 0.0)
+        if active is None:
+            out_tokens[:, t], out_logp[:, t] = tokens, logp
+            lengths += (~stopped).long()
+        else:
+            out_tokens[active, t], out_logp[active, t] = tokens, logp
+            lengths[active] += (~stopped).long()
+        stopped |= torch.isin(tokens, stop)
+        if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and bool(stopped.all())):
+            break
+        if compact and (t + 1) % COMPACT_EVERY == 0 and int(stopped.sum()) * COMPACT_FRACTION >= stopped.numel():
+            keep = (~stopped).nonzero().squeeze(-1)  # (n',)
+            compact = decoder.select(keep)  # False: this decoder keeps every row, so stop asking
+            if compact:
+                active = torch.arange(N, device=dev) if active is None else active
+                done[active[stopped]] = True
+                active, tokens, next_pos, stopped = active[keep], tokens[keep], next_pos[keep], stopped[keep]
+        logits = decoder.step(tokens, next_pos)  # (n, V)
+        next_pos = next_pos + 1
+    if active is not None:
+        done[active[stopped]] = True
+    return out_tokens, out_logp, lengths, done, t
+
+
 def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, top_k, greedy, generator,
              stop_ids, prompt_ids) -> Rollout:
     tok, dev, G = policy.tokenizer, policy.device, group_size
@@ -186,24 +233,12 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
     with packed_linears(policy.module, N, enabled=fastpaths.enabled() and cpu_fp32):
         logits = decoder.prefill(ids, mask, positions, G)  # (N, V): one prefill per distinct prompt
         next_pos = positions[:, -1].repeat_interleave(G) + 1  # (N,)
-
-        out_tokens = torch.full((N, max_new_tokens), tok.pad_id, dtype=torch.long, device=dev)
-        out_logp = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=dev)
-        done = torch.zeros(N, dtype=torch.bool, device=dev)  # stopped on a stop token
-        lengths = torch.zeros(N, dtype=torch.long, device=dev)
-        pad = torch.tensor(tok.pad_id, device=dev)
-        check_every = 8 if dev.type == "cuda" else 1  # `done.all()` syncs the GPU: check sparsely
-        for t in range(max_new_tokens):
-            tokens, logp = sample_next(logits, temperature, top_p, top_k, greedy, generator)  # (N,), (N,)
-            tokens = torch.where(done, pad, tokens)
-            out_tokens[:, t] = tokens
-            out_logp[:, t] = logp.masked_fill(done, 0.0)
-            lengths += (~done).long()
-            done |= torch.isin(tokens, stop)
-            if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and bool(done.all())):
-                break
-            logits = decoder.step(tokens, next_pos)  # (N, V)
-            next_pos += 1
+        # Greedy decoding of one row per prompt (evaluation, held-out checks) drops the rows that
+        # have stopped; sampling keeps every row, so the draws (one uniform per row per step) stay.
+        compact = greedy and G == 1 and fastpaths.enabled()
+        out_tokens, out_logp, lengths, done, t = _decode(
+            decoder, logits, next_pos, max_new_tokens, stop, tok.pad_id, compact,
+            lambda lg: sample_next(lg, temperature, top_p, top_k, greedy, generator))
     policy.train(was_training)
 
     L = t + 1

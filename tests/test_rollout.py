@@ -341,3 +341,106 @@ def test_chunked_token_logprobs_equal_one_fp32_pass(dtype):
     torch.testing.assert_close(logits.grad.float(), ref.grad, atol=tol, rtol=0)
     x = torch.randn(5, 9, dtype=torch.float64, generator=g).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: token_logprobs(t, target[0, :5] % 9, 1.3, chunk_elements=18), (x,))
+
+
+class _SelectSpy:
+    """A policy's decoder that records how many rows each `select` kept."""
+
+    def __init__(self, inner, kept: list[int]) -> None:
+        self.inner, self.kept = inner, kept
+
+    def prefill(self, *args):
+        return self.inner.prefill(*args)
+
+    def step(self, tokens, positions):
+        return self.inner.step(tokens, positions)
+
+    def select(self, rows):
+        ok = self.inner.select(rows)
+        if ok:
+            self.kept.append(len(rows))
+        return ok
+
+
+def _stops_for_varied_lengths(policy, prompts: list[str], n: int) -> list[int]:
+    """Stop tokens that end these prompts' greedy completions at three or more different steps with
+    at least one row running to the end: greedy tokens do not depend on the stop set, so each
+    candidate set's lengths are read off one run without stops."""
+    import itertools
+
+    r = rollout_prompts(policy, prompts, 1, n, greedy=True, stop_ids=[])
+    resp = r.input_ids[:, r.prompt_len:].tolist()
+    for size in (1, 2, 3):
+        for stops in itertools.combinations(sorted({t for row in resp for t in row}), size):
+            lengths = [next((i + 1 for i, t in enumerate(row) if t in stops), n) for row in resp]
+            ends = {length for length, row in zip(lengths, resp) if row[length - 1] in stops}
+            if len(ends) >= 3 and any(all(t not in stops for t in row) for row in resp):
+                return list(stops)
+    raise AssertionError(f"no stop set gives varied lengths: {resp}")
+
+
+def _greedy_with_and_without_compaction(policy, monkeypatch, make_decoder):
+    import pipeline.rollout as ro
+
+    prompts = PROMPTS + [p + " x" for p in PROMPTS] + [f"Question: {a} + {b}?" for a, b in ((5, 5), (12, 7), (3, 40))]
+    with torch.no_grad():  # a random init's greedy rows repeat one token; scaled up, each row wanders
+        for param in policy.module.parameters():
+            if param.dim() >= 2:
+                param.mul_(10.0)
+    stops = _stops_for_varied_lengths(policy, prompts, 16)
+    kept: list[int] = []
+    monkeypatch.setattr(policy, "decoder", lambda n: _SelectSpy(make_decoder(n), kept))
+    monkeypatch.setattr(ro, "COMPACT_EVERY", 2)  # every other step, ...
+    monkeypatch.setattr(ro, "COMPACT_FRACTION", 10**9)  # ... as soon as any row has stopped
+    compacted = rollout_prompts(policy, prompts, 1, 16, greedy=True, stop_ids=stops)
+    monkeypatch.setattr(ro, "COMPACT_EVERY", 10**9)  # never: every row decodes to the end
+    every_row = rollout_prompts(policy, prompts, 1, 16, greedy=True, stop_ids=stops)
+    return compacted, every_row, kept, len(prompts)
+
+
+def _assert_same_rollout(a, b) -> None:
+    assert torch.equal(a.input_ids, b.input_ids) and a.texts == b.texts
+    for name in ("attention_mask", "response_mask", "response_lengths", "truncated"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_greedy_decoding_drops_the_rows_that_stopped(any_policy, monkeypatch):
+    """Greedy decoding of one row per prompt (evaluation, held-out checks) drops the rows that have
+    stopped from the decoder's cache; the completions, masks, lengths, truncation flags and
+    log-probs are those of decoding every row to the end."""
+    base = any_policy.decoder
+    compacted, every_row, kept, n = _greedy_with_and_without_compaction(any_policy, monkeypatch, base)
+    assert len(kept) >= 2 and n > kept[0] and kept == sorted(kept, reverse=True)  # rows left the batch in steps
+    assert len(set(every_row.response_lengths.tolist())) > 2 and not every_row.truncated.all()
+    _assert_same_rollout(compacted, every_row)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_greedy_compaction_on_the_hf_cache_per_row(kind, hf_dirs, monkeypatch):
+    """The same on a transformers model's own cache (the HF decoder without a shared prefix: a
+    StaticCache where the model supports one, else a DynamicCache)."""
+    from pipeline.model.hf import HFDecoder
+    from pipeline.model.policy import _Autocasting, build_policy
+    from tests.conftest import tiny_model_config
+
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
+    compacted, every_row, kept, n = _greedy_with_and_without_compaction(
+        policy, monkeypatch, lambda m: _Autocasting(HFDecoder(policy.module, m, shared_prefix=False), policy))
+    assert kept and kept[0] < n
+    _assert_same_rollout(compacted, every_row)
+
+
+def test_sampling_and_groups_keep_every_row(gpt_policy, monkeypatch):
+    """Sampled rollouts (one uniform per row per step) and groups sharing a prompt's keys never drop
+    rows: the draws stay those of the full batch."""
+    import pipeline.rollout as ro
+
+    kept: list[int] = []
+    base = gpt_policy.decoder
+    monkeypatch.setattr(gpt_policy, "decoder", lambda n: _SelectSpy(base(n), kept))
+    monkeypatch.setattr(ro, "COMPACT_EVERY", 1)
+    stops = list(range(0, gpt_policy.tokenizer.vocab_size, 3))
+    rollout_prompts(gpt_policy, PROMPTS, 1, 12, generator=gen(0), stop_ids=stops)
+    rollout_prompts(gpt_policy, PROMPTS, 4, 12, greedy=True, stop_ids=stops)
+    assert kept == []

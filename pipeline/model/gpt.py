@@ -392,6 +392,16 @@ class GPTDecoder:
             self.fused = fused_decode.FusedGPTStep(self.model, self.cache, B * repeats)
         return logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
 
+    def select(self, rows: torch.Tensor) -> bool:
+        """Keep only `rows` (indices of the current rows) of a cache with one row per prompt, so
+        later steps skip the rows that have stopped; False (nothing changed) for a shared prefix,
+        whose groups must stay whole."""
+        c = self.cache
+        if c is None or c.prefix is not None or self.fused is not None:
+            return False
+        c.k, c.v, c.key_mask = c.k[:, rows], c.v[:, rows], c.key_mask[rows]
+        return True
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append one token per row (N,) at `positions` (N,); next-token logits (N, V)."""
         if self.fused is not None:

@@ -268,6 +268,29 @@ class HFDecoder:
         self.length = T
         return out.logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
 
+    def select(self, rows: torch.Tensor) -> bool:
+        """Keep only `rows` (indices of the current rows) of a cache with one row per prompt, so
+        later steps skip the rows that have stopped; False (nothing changed) where the G rows of a
+        group share their prompt's keys (the groups must stay whole)."""
+        if self.shared:
+            if self.cache.k[0].shape[0] != self.prefix[0][0].shape[0]:  # G > 1 rows per prompt
+                return False
+            self.prefix = [(kp_t[rows], vp[rows]) for kp_t, vp in self.prefix]
+            self.mask, self.prefix_bias = self.mask[rows], self.prefix_bias[rows]
+            for i in range(len(self.cache.k)):  # in place: the fused step holds this cache
+                self.cache.k[i], self.cache.v[i] = self.cache.k[i][rows], self.cache.v[i][rows]
+            if self.fused is not None:
+                self.fused.prefix, self.fused.prefix_bias = self.prefix, self.prefix_bias
+            return True
+        if self.static:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+                layer.batch_size = layer.keys.shape[0]
+        else:
+            self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        return True
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append one token per row (N,) at `positions` (N,); next-token logits (N, V)."""
         if self.shared:

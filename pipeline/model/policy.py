@@ -220,6 +220,11 @@ class _Autocasting:
         with self.policy.autocast():
             return self.inner.prefill(input_ids, attention_mask, position_ids, repeats).float()
 
+    def select(self, rows: torch.Tensor) -> bool:
+        """Drop the rows not in `rows` from the decoder's cache where it can (see the decoders)."""
+        select = getattr(self.inner, "select", None)
+        return bool(select(rows)) if select is not None else False
+
     def step(self, tokens, positions) -> torch.Tensor:
         with self.policy.autocast():
             return self.inner.step(tokens, positions).float()
