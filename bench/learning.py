@@ -18,6 +18,7 @@ difference warmup - control (the same seed's checkpoints on the same problems) w
     python bench/learning.py --work runs/learning --report      # re-read finished seeds only
     python bench/learning.py --work runs/learning --report --rescore   # ... scoring their checkpoints again
     python bench/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
+    python bench/learning.py --work runs/learning --report --run .   # the seeds and the run in one table
     # under torch's AVX2 kernels on any CPU: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 python bench/learning.py ...
     # last line: JSON with every figure
 """
@@ -213,15 +214,17 @@ def main() -> None:
     ap.add_argument("--rescore", action="store_true",
                     help="with --report: score the finished seeds' checkpoints again (and keep the new scores)")
     ap.add_argument("--run", type=Path, default=None,
-                    help="report one finished pipeline run instead (a folder with the evaluate stage's reports/ "
-                         "and plots/sft.csv, e.g. the repo after `make run`): the paired warmup - control "
-                         "interval over its held-out problems")
+                    help="report one finished pipeline run (a folder with the evaluate stage's reports/ and "
+                         "plots/sft.csv, e.g. the repo after `make run`): the paired warmup - control interval "
+                         "over its held-out problems; with --report, as one more seed beside those under --work")
     args = ap.parse_args()
     if args.run is None and args.work is None:
         ap.error("--work is required (or --run)")
+    if args.report and args.work is None:
+        ap.error("--report reads the seeds under --work")
     overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
     print(machine_line(1))
-    if args.run is not None:
+    if args.run is not None and not args.report:
         results = [scored_run(args.run)]
     elif args.report:
         args.work = args.work.resolve()
@@ -231,6 +234,8 @@ def main() -> None:
                 folder = args.work / f"seed-{r['seed']}"
                 r["correct"] = score(folder, [*overrides, *seed_sets(r["seed"])])
                 write_bytes_atomic(folder / "scores.json", json.dumps(r).encode())
+        if args.run is not None:  # a pipeline run beside the seeds (its own seed: the params')
+            results.append(scored_run(args.run))
     else:
         args.work = args.work.resolve()  # the stages run with their seed's folder as working directory
         data = prepare(args.work, args.params, args.gsm8k or default_gsm8k(), overrides)
@@ -239,7 +244,7 @@ def main() -> None:
             results = [f.result() for f in futures]
     if not results:
         raise SystemExit(f"no finished seed under {args.work or args.run}")
-    table = report(sorted(results, key=lambda r: r["seed"]))
+    table = report(sorted(results, key=lambda r: str(r["seed"])))
     print(json.dumps({"overrides": args.overrides, **table}))
 
 

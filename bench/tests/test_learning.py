@@ -106,3 +106,11 @@ def test_a_seed_is_scored_as_its_evaluate_stage_scores_it(tmp_path):
                           "--rescore"], capture_output=True, text=True, check=False, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((seed / "scores.json").read_text())["correct"] == scores["correct"]
+    # --report --run: the pipeline run (here the seed's own folder, scored by its evaluate stage) is one
+    # more row of the table, with the same figures as the seed
+    res = subprocess.run([sys.executable, str(root / "bench" / "learning.py"), "--work", str(work), "--report",
+                          "--run", str(seed)], capture_output=True, text=True, check=False, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    both = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(both["discordant"]) == 2 and both["discordant"][0] == both["discordant"][1]
+    assert all(both[s]["seeds"][0] == both[s]["seeds"][1] for s in STAGES)
