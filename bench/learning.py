@@ -97,7 +97,8 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for f in [pool.submit(stage, name) for name in SIDE_BY_SIDE]:
                 f.result()
-    result = {"seed": seed, "wall_s": wall, "correct": score(folder, sets), "sft_curve": sft_curve(folder)}
+    result = {"seed": seed, "wall_s": wall, "correct": score(folder, sets), "sft_curve": sft_curve(folder),
+              "overrides": sets}
     write_bytes_atomic(done, json.dumps(result).encode())
     return result
 
@@ -173,6 +174,11 @@ def bootstrap(per_seed: list[list[float]], rng, draws: int = BOOTSTRAP) -> tuple
 def report(results: list[dict]) -> dict:
     import numpy as np
 
+    sizes = {len(r["correct"][s]) for r in results for s in STAGES}
+    if len(sizes) != 1:
+        raise SystemExit(f"the runs were scored on different held-out sets ({sorted(sizes)} problems): "
+                         "pair only runs of the same prepared data")
+
     rng = np.random.default_rng(0)
     table = {}
     for stage in STAGES:
@@ -222,6 +228,8 @@ def main() -> None:
         ap.error("--work is required (or --run)")
     if args.report and args.work is None:
         ap.error("--report reads the seeds under --work")
+    if args.rescore and not args.report:
+        ap.error("--rescore goes with --report (it scores the finished seeds under --work again)")
     overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
     print(machine_line(1))
     if args.run is not None and not args.report:
@@ -232,7 +240,7 @@ def main() -> None:
         if args.rescore:
             for r in results:
                 folder = args.work / f"seed-{r['seed']}"
-                r["correct"] = score(folder, [*overrides, *seed_sets(r["seed"])])
+                r["correct"] = score(folder, r.get("overrides") or [*overrides, *seed_sets(r["seed"])])
                 write_bytes_atomic(folder / "scores.json", json.dumps(r).encode())
         if args.run is not None:  # a pipeline run beside the seeds (its own seed: the params')
             results.append(scored_run(args.run))

@@ -68,6 +68,9 @@ class NoCacheDecoder:
         self.mask = attention_mask.repeat_interleave(repeats, 0)
         return self.policy.logits(self.ids, self.mask)[:, -1].float()
 
+    def select(self, rows) -> bool:  # the rollout may drop stopped rows of a greedy batch: keep them all
+        return False
+
     def step(self, tokens, positions):
         self.ids = torch.cat([self.ids, tokens[:, None]], 1)
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)

@@ -416,18 +416,49 @@ def test_greedy_decoding_drops_the_rows_that_stopped(any_policy, monkeypatch):
     _assert_same_rollout(compacted, every_row)
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_greedy_compaction_on_the_hf_cache_per_row(kind, hf_dirs, monkeypatch):
-    """The same on a transformers model's own cache (the HF decoder without a shared prefix: a
-    StaticCache where the model supports one, else a DynamicCache)."""
+def test_greedy_compaction_on_the_hf_cache_per_row(kind, cache, hf_dirs, monkeypatch):
+    """The same on a transformers model's own cache (the HF decoder without a shared prefix): its
+    StaticCache, and the DynamicCache of a model that cannot take one."""
     from pipeline.model.hf import HFDecoder
     from pipeline.model.policy import _Autocasting, build_policy
     from tests.conftest import tiny_model_config
 
     policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
-    compacted, every_row, kept, n = _greedy_with_and_without_compaction(
-        policy, monkeypatch, lambda m: _Autocasting(HFDecoder(policy.module, m, shared_prefix=False), policy))
+    if cache == "dynamic":
+        monkeypatch.setattr(policy.module, "_can_compile_fullgraph", False, raising=False)
+
+    def make(n):
+        dec = HFDecoder(policy.module, n, shared_prefix=False)
+        assert dec.static == (cache == "static")
+        return _Autocasting(dec, policy)
+
+    compacted, every_row, kept, n = _greedy_with_and_without_compaction(policy, monkeypatch, make)
     assert kept and kept[0] < n
+    _assert_same_rollout(compacted, every_row)
+
+
+def test_a_cache_layer_with_more_per_row_state_keeps_every_row(hf_dirs, monkeypatch):
+    """A cache layer of a type whose per-row state is more than its keys and values (the
+    linear-attention and indexed layers of hybrid models) is never cut: the decoder declines
+    `select` and every row decodes to the end, with the same completions."""
+    from transformers.cache_utils import StaticLayer
+
+    from pipeline.model.hf import HFDecoder
+    from pipeline.model.policy import _Autocasting, build_policy
+    from tests.conftest import tiny_model_config
+
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"]))
+    other = type("OtherLayer", (StaticLayer,), {})
+
+    def make(n):
+        dec = HFDecoder(policy.module, n, shared_prefix=False)
+        dec.cache.layers[0].__class__ = other
+        return _Autocasting(dec, policy)
+
+    compacted, every_row, kept, _ = _greedy_with_and_without_compaction(policy, monkeypatch, make)
+    assert kept == []
     _assert_same_rollout(compacted, every_row)
 
 

@@ -282,6 +282,14 @@ class HFDecoder:
             if self.fused is not None:
                 self.fused.prefix, self.fused.prefix_bias = self.prefix, self.prefix_bias
             return True
+        from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer,
+                                              StaticSlidingWindowLayer)
+
+        # only layers whose per-row state is their keys and values: the linear-attention, indexed and
+        # quantised layers of other models (LFM2, Qwen3-Next, ...) keep more, so those decode every row
+        plain = (StaticLayer, StaticSlidingWindowLayer) if self.static else (DynamicLayer, DynamicSlidingWindowLayer)
+        if not all(type(layer) in plain for layer in getattr(self.cache, "layers", [None])):
+            return False
         if self.static:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[rows], layer.values[rows]
