@@ -252,7 +252,7 @@ def main() -> None:
             results = [f.result() for f in futures]
     if not results:
         raise SystemExit(f"no finished seed under {args.work or args.run}")
-    table = report(sorted(results, key=lambda r: str(r["seed"])))
+    table = report(sorted(results, key=lambda r: (isinstance(r["seed"], str), r["seed"])))  # seeds in order, then a run
     print(json.dumps({"overrides": args.overrides, **table}))
 
 
