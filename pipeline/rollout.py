@@ -4,11 +4,13 @@
 distinct prompts, repeats the cache G times (group-contiguous rows ``i*G .. i*G+G-1``), then
 decodes all N = B*G rows together, one token per step, from the cache. Stop detection is
 vectorised (a row is done after end-of-text or `</answer>`); the loop ends when every row is done
-or after `max_new_tokens`. Greedy decoding of one row per prompt (evaluation, held-out checks)
-drops the rows that have stopped from the decoder's cache every `COMPACT_EVERY` steps once they are
-a quarter of the rows still decoding: GSM8K completions vary in length, and about half of a fixed
-batch's row-steps would otherwise go to rows that have already answered. Sampled rollouts keep
-every row (one uniform per row per step), so their draws do not depend on when rows stop.
+or after `max_new_tokens`. Every `COMPACT_EVERY` steps, once the finished rows are a quarter of
+the rows still decoding, they leave the decoder's cache: completions vary in length, and about half
+of a fixed batch's row-steps would otherwise go to rows that have already answered. With one row
+per prompt any stopped row leaves; the G rows of a group share their prompt's keys, so a group
+leaves once all its rows have stopped. The sampler still draws one uniform per row of the whole
+batch each step and hands each remaining row its own, so the draws, and the tokens and log-probs,
+are those of decoding every row to the end (the same bits on CPU fp32: tests/test_rollout.py).
 
 Recorded log-probs: ``logprobs[:, t] = log_softmax(logits / temperature)[token]``, the
 FULL-vocabulary distribution at the sampling temperature, before top-k / top-p truncation (the
@@ -79,8 +81,13 @@ def _check_args(group_size, max_new_tokens, temperature, top_p, top_k) -> None:
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                greedy: bool = False, generator: torch.Generator | None = None):
-    """Next tokens (N,) and their log-probs (N,) under the full distribution at `temperature`."""
+                greedy: bool = False, generator: torch.Generator | None = None,
+                rows: torch.Tensor | None = None, batch: int = 0):
+    """Next tokens (N,) and their log-probs (N,) under the full distribution at `temperature`.
+
+    `rows` (N,) and `batch`: `logits` are rows `rows` of a batch of `batch` rows (the others have
+    left the decode loop); the uniforms are drawn for the whole batch and row i gets its own, so
+    the draws do not depend on which rows are still there (the fast-path sampler only)."""
     scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # (N, V)
     if greedy:
         tokens = scaled.argmax(-1)
@@ -89,7 +96,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
         # no truncation (every GRPO rollout by default): one softmax serves both the draw and the
         # log-prob; log(p) of a drawn token is within ~1e-7 of log_softmax (p > 0: never a zero-mass draw)
         probs = scaled.softmax(-1)  # (N, V)
-        tokens = _inverse_cdf_sample(probs, generator)  # (N,)
+        tokens = _inverse_cdf_sample(probs, generator, rows, batch)  # (N,)
         return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
     filtered = scaled
     if 0 < top_k < scaled.shape[-1]:
@@ -100,24 +107,30 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p
         filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    tokens = _draw(filtered.softmax(-1), generator)  # (N,)
+    tokens = _draw(filtered.softmax(-1), generator, rows, batch)  # (N,)
     return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _draw(probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor | None = None,
+          batch: int = 0) -> torch.Tensor:
     """One token per row of (N, V) probabilities."""
     if not fastpaths.enabled():
+        if rows is not None:
+            raise ValueError("a subset of rows needs the fast-path sampler (one uniform per row)")
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return _inverse_cdf_sample(probs, generator)
+    return _inverse_cdf_sample(probs, generator, rows, batch)
 
 
 _CDF_BLOCK = 64
-COMPACT_EVERY = 8  # greedy one-row-per-prompt decoding: every this many steps, ...
-COMPACT_FRACTION = 4  # ... drop the stopped rows once they are at least 1/this of the rows decoding
+COMPACT_EVERY = 8  # every this many steps, ...
+COMPACT_FRACTION = 4  # ... drop the finished rows (groups) once they are at least 1/this of the rows decoding
+COMPACT_MIN_ROWS = 2  # never shrink the batch below this: MKL multiplies 1 row with another kernel (other bits)
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of (N, V) non-negative weights from ONE uniform per row.
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor | None = None,
+                        batch: int = 0) -> torch.Tensor:
+    """One draw per row of (N, V) non-negative weights from ONE uniform per row (with `rows`: one
+    uniform per row of a `batch`-row batch, row i of `probs` taking uniform `rows[i]`).
 
     `torch.multinomial` draws V exponentials per row (the exponential-race trick): 14% of a
     decode step of a tiny Llama on CPU. And a cumulative sum over all V columns is sequential per
@@ -134,7 +147,10 @@ def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) 
     block_mass = w.sum(-1)  # (N, nb)
     block_cdf = block_mass.cumsum(-1)  # (N, nb)
     total = block_cdf[:, -1:]
-    u = torch.rand(N, 1, generator=generator, device=probs.device) * total
+    if rows is None:
+        u = torch.rand(N, 1, generator=generator, device=probs.device) * total
+    else:
+        u = torch.rand(batch, 1, generator=generator, device=probs.device)[rows] * total
     u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # u < total even after rounding
     blk = torch.searchsorted(block_cdf, u, right=True).clamp_(max=w.shape[1] - 1)  # (N, 1): mass > 0
     inner = w.gather(1, blk[:, :, None].expand(N, 1, _CDF_BLOCK)).squeeze(1)  # (N, blk)
@@ -169,12 +185,14 @@ def rollout_prompts(policy: Policy, prompts: list[str], group_size: int, max_new
     return rollout
 
 
-def _decode(decoder, logits, next_pos, max_new_tokens: int, stop, pad_id: int, compact: bool, sample):
+def _decode(decoder, logits, next_pos, max_new_tokens: int, stop, pad_id: int, unit: int, sample):
     """The decode loop from the prefill's `logits` (N, V): (tokens (N, max_new_tokens) padded after
     each row's stop, their log-probs, lengths (N,), done (N,): stopped on a stop token, the last step
-    index). With `compact`, the rows that have stopped leave the decoder's cache every
-    `COMPACT_EVERY` steps once they are 1/`COMPACT_FRACTION` of the rows still decoding: `active`
-    holds the rows in the cache, `stopped` their part of `done`."""
+    index). `sample(logits, rows, N)`: rows (n,) of the batch that `logits` (n, V) belong to (None:
+    all of them). `unit` > 0: every `COMPACT_EVERY` steps, once the finished rows are
+    1/`COMPACT_FRACTION` of the rows still decoding, they leave the decoder's cache, in whole runs
+    of `unit` consecutive rows (a group sharing its prompt's keys leaves when all its rows have
+    stopped); 0 keeps every row. `active` holds the rows in the cache, `stopped` their part of `done`."""
     N, dev = logits.shape[0], logits.device
     out_tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=dev)
     out_logp = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=dev)
@@ -184,7 +202,7 @@ def _decode(decoder, logits, next_pos, max_new_tokens: int, stop, pad_id: int, c
     check_every = 8 if dev.type == "cuda" else 1  # `done.all()` syncs the GPU: check sparsely
     active, stopped = None, done
     for t in range(max_new_tokens):
-        tokens, logp = sample(logits)  # (n,), (n,)
+        tokens, logp = sample(logits, active, N)  # (n,), (n,)
         tokens = torch.where(stopped, pad, tokens)
         logp = logp.masked_fill(stopped, 0.0)
         if active is None:
@@ -196,13 +214,17 @@ def _decode(decoder, logits, next_pos, max_new_tokens: int, stop, pad_id: int, c
         stopped |= torch.isin(tokens, stop)
         if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and bool(stopped.all())):
             break
-        if compact and (t + 1) % COMPACT_EVERY == 0 and int(stopped.sum()) * COMPACT_FRACTION >= stopped.numel():
-            keep = (~stopped).nonzero().squeeze(-1)  # (n',)
-            compact = decoder.select(keep)  # False: this decoder keeps every row, so stop asking
-            if compact:
-                active = torch.arange(N, device=dev) if active is None else active
-                done[active[stopped]] = True
-                active, tokens, next_pos, stopped = active[keep], tokens[keep], next_pos[keep], stopped[keep]
+        if unit and (t + 1) % COMPACT_EVERY == 0:
+            gone = stopped if unit == 1 else stopped.view(-1, unit).all(-1).repeat_interleave(unit)  # (n,)
+            n_gone = int(gone.sum())
+            if n_gone * COMPACT_FRACTION >= gone.numel() and gone.numel() - n_gone >= COMPACT_MIN_ROWS:
+                keep = (~gone).nonzero().squeeze(-1)  # (n',)
+                if decoder.select(keep):
+                    active = torch.arange(N, device=dev) if active is None else active
+                    done[active[stopped]] = True
+                    active, tokens, next_pos, stopped = active[keep], tokens[keep], next_pos[keep], stopped[keep]
+                else:
+                    unit = 0  # this decoder keeps every row: stop asking
         logits = decoder.step(tokens, next_pos)  # (n, V)
         next_pos = next_pos + 1
     if active is not None:
@@ -233,12 +255,12 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
     with packed_linears(policy.module, N, enabled=fastpaths.enabled() and cpu_fp32):
         logits = decoder.prefill(ids, mask, positions, G)  # (N, V): one prefill per distinct prompt
         next_pos = positions[:, -1].repeat_interleave(G) + 1  # (N,)
-        # Greedy decoding of one row per prompt (evaluation, held-out checks) drops the rows that
-        # have stopped; sampling keeps every row, so the draws (one uniform per row per step) stay.
-        compact = greedy and G == 1 and fastpaths.enabled()
+        # Finished rows leave the loop (whole groups where G rows share a prompt); the sampler's
+        # uniforms stay per row of the whole batch (the multinomial of the plain path cannot).
+        unit = G if fastpaths.enabled() else 0
         out_tokens, out_logp, lengths, done, t = _decode(
-            decoder, logits, next_pos, max_new_tokens, stop, tok.pad_id, compact,
-            lambda lg: sample_next(lg, temperature, top_p, top_k, greedy, generator))
+            decoder, logits, next_pos, max_new_tokens, stop, tok.pad_id, unit,
+            lambda lg, rows, batch: sample_next(lg, temperature, top_p, top_k, greedy, generator, rows, batch))
     policy.train(was_training)
 
     L = t + 1

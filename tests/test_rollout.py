@@ -462,16 +462,102 @@ def test_a_cache_layer_with_more_per_row_state_keeps_every_row(hf_dirs, monkeypa
     _assert_same_rollout(compacted, every_row)
 
 
-def test_sampling_and_groups_keep_every_row(gpt_policy, monkeypatch):
-    """Sampled rollouts (one uniform per row per step) and groups sharing a prompt's keys never drop
-    rows: the draws stay those of the full batch."""
+def _stops_for_group_ends(policy, prompts: list[str], G: int, n: int, seed: int) -> list[int]:
+    """Stop tokens under which the groups of a seeded sampled rollout finish (every row stopped)
+    at two or more different steps before `n`, with some row still running at the end. A row's
+    tokens up to its stop do not depend on the stop set (its own uniforms, its own history), so
+    each candidate set's lengths are read off one run without stops."""
+    import itertools
+
+    r = rollout_prompts(policy, prompts, G, n, generator=gen(seed), stop_ids=[])
+    resp = r.input_ids[:, r.prompt_len:].tolist()
+    for size in (1, 2, 3):
+        for stops in itertools.combinations(sorted({t for row in resp for t in row}), size):
+            lengths = [next((i + 1 for i, t in enumerate(row) if t in stops), None) for row in resp]
+            ends = [None if None in lengths[g:g + G] else max(lengths[g:g + G]) for g in range(0, len(resp), G)]
+            early = {e for e in ends if e is not None and e < n - 2}
+            if len(early) >= 2 and None in ends:
+                return list(stops)
+    raise AssertionError(f"no stop set gives varied group ends: {resp}")
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_sampled_rollouts_drop_finished_groups_with_the_same_bits(any_policy, G, monkeypatch):
+    """Sampled rollouts drop the rows (G = 1) or whole groups (G > 1: the rows of a prompt share its
+    keys) that have finished; each remaining row keeps its own uniform of the whole batch, so on CPU
+    fp32 the tokens and the recorded log-probs are bit for bit those of decoding every row to the
+    end (the warmup trains on those log-probs as its old policy)."""
     import pipeline.rollout as ro
+
+    policy = any_policy
+    prompts = PROMPTS + [f"Question: {a} + {b}?" for a, b in ((5, 5), (12, 7), (3, 40))]
+    with torch.no_grad():  # a random init samples near-uniformly; scaled up, rows are peaked but varied
+        for param in policy.module.parameters():
+            if param.dim() >= 2:
+                param.mul_(4.0)
+    stops = _stops_for_group_ends(policy, prompts, G, 16, seed=1)
+    kept: list[int] = []
+    base = policy.decoder
+    monkeypatch.setattr(policy, "decoder", lambda n: _SelectSpy(base(n), kept))
+    monkeypatch.setattr(ro, "COMPACT_EVERY", 1)  # every step, ...
+    monkeypatch.setattr(ro, "COMPACT_FRACTION", 10**9)  # ... as soon as one row or group has finished
+    compacted = rollout_prompts(policy, prompts, G, 16, generator=gen(1), stop_ids=stops)
+    cuts = list(kept)
+    monkeypatch.setattr(ro, "COMPACT_EVERY", 10**9)  # never
+    every_row = rollout_prompts(policy, prompts, G, 16, generator=gen(1), stop_ids=stops)
+    assert len(cuts) >= 2 and cuts == sorted(cuts, reverse=True) and cuts[0] < len(prompts) * G
+    assert all(k % G == 0 and k >= ro.COMPACT_MIN_ROWS for k in cuts)
+    assert not every_row.truncated.all() and every_row.truncated.any()
+    _assert_same_rollout(compacted, every_row)
+    assert torch.equal(compacted.logprobs, every_row.logprobs)  # the same bits, not only close
+
+
+def test_a_cut_keeps_whole_groups_only(gpt_policy):
+    """A decoder whose G rows share a prompt's keys refuses a cut through a group, and keeps the
+    prompts of the groups it keeps."""
+    from pipeline.model.attention import whole_groups
+
+    assert whole_groups(torch.tensor([3, 4, 5, 9, 10, 11]), 3).tolist() == [1, 3]
+    for rows in ([3, 4, 9, 10, 11, 12], [0, 1], [], [4, 5, 6]):
+        assert whole_groups(torch.tensor(rows, dtype=torch.long), 3) is None
+    dec = gpt_policy.decoder(40)
+    ids, mask = left_pad([gpt_policy.tokenizer.encode(p) for p in PROMPTS], gpt_policy.tokenizer.pad_id)
+    with torch.inference_mode():
+        dec.prefill(ids, mask, mask.cumsum(-1).clamp(min=1) - 1, 2)  # 3 prompts x 2 rows
+        c = dec.inner.cache
+        assert c.prefix is not None and dec.inner.fused is not None
+        assert not dec.select(torch.tensor([0, 1, 2, 4, 5]))
+        assert c.k.shape[1] == 6
+        assert dec.select(torch.tensor([0, 1, 4, 5]))
+        assert c.k.shape[1] == 4 and c.prefix.k.shape[1] == 2
+        assert c.prefix_k_t.shape[1] == 2 and c.prefix_bias.shape[0] == 2
+        assert dec.inner.fused.prefix[0][0].shape[0] == 2 and dec.inner.fused.key_mask.shape[0] == 4
+        assert dec.step(torch.tensor([5, 6, 7, 8]), torch.tensor([20, 20, 21, 21])).shape[0] == 4
+
+
+def test_the_plain_sampler_keeps_every_row(gpt_policy, monkeypatch):
+    """Without the fast paths (torch.multinomial: draws that depend on the rows present) no row
+    leaves a sampled rollout."""
+    import pipeline.rollout as ro
+    from pipeline.model import fastpaths
 
     kept: list[int] = []
     base = gpt_policy.decoder
     monkeypatch.setattr(gpt_policy, "decoder", lambda n: _SelectSpy(base(n), kept))
     monkeypatch.setattr(ro, "COMPACT_EVERY", 1)
     stops = list(range(0, gpt_policy.tokenizer.vocab_size, 3))
-    rollout_prompts(gpt_policy, PROMPTS, 1, 12, generator=gen(0), stop_ids=stops)
-    rollout_prompts(gpt_policy, PROMPTS, 4, 12, greedy=True, stop_ids=stops)
+    with fastpaths.plain():
+        rollout_prompts(gpt_policy, PROMPTS, 2, 12, generator=gen(0), stop_ids=stops)
+        with pytest.raises(ValueError, match="fast-path sampler"):
+            ro._draw(torch.ones(2, 5), gen(0), torch.tensor([0, 1]), 3)
     assert kept == []
+
+
+def test_subset_draws_take_their_rows_uniforms():
+    """Row i of a subset gets uniform rows[i] of the whole batch: the same draw as in the full batch."""
+    from pipeline.rollout import _inverse_cdf_sample
+
+    w = torch.rand(7, 300, generator=gen(2)) ** 4
+    full = _inverse_cdf_sample(w, gen(5))
+    rows = torch.tensor([1, 4, 6])
+    assert torch.equal(_inverse_cdf_sample(w[rows], gen(5), rows, 7), full[rows])

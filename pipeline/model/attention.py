@@ -51,3 +51,13 @@ def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scal
     yp = ap.reshape(B, G, Hkv, r, Tp).transpose(1, 2).reshape(B, Hkv, G * r, Tp) @ vp  # (B, Hkv, G*r, D)
     y = yp.view(B, Hkv, G, r, D).transpose(1, 2).reshape(N, Hkv, r, D) + ar @ v  # (N, Hkv, r, D)
     return y.reshape(N, H, 1, D)
+
+
+def whole_groups(rows: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The groups (row // `group`) that `rows` (ascending row indices) cover, if `rows` is exactly
+    those groups' rows, each group whole; else None."""
+    if rows.numel() == 0 or rows.numel() % group:
+        return None
+    groups = rows[::group] // group
+    whole = (groups[:, None] * group + torch.arange(group, device=rows.device)).reshape(-1)
+    return groups if torch.equal(whole, rows) else None

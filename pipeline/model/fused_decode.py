@@ -69,6 +69,9 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"):
+            if x.shape[0] != self.rows:  # finished rows left the batch: pack for the new count (same bits)
+                self.rows = x.shape[0]
+                self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, self.rows)
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
         return F.linear(x, self.weight, self.bias)
 
@@ -140,6 +143,11 @@ class FusedLlamaStep:
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         self.wpe, self.key_mask = None, None
 
+    def rebind(self, prefix, prefix_bias: torch.Tensor) -> None:
+        """After the decoder kept a subset of its groups: their prompts' keys and bias (the
+        response cache object is the same, its tensors already cut)."""
+        self.prefix, self.prefix_bias = prefix, prefix_bias
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (N, h, D): ``x * cos + rotate_half(x) * sin`` with rotate_half as a flip of the halves."""
         N, h, D = x.shape
@@ -184,11 +192,16 @@ class FusedGPTStep(FusedLlamaStep):
         self.layers = [_GPTLayer(block, rows) for block in model.h]
         self.norm = model.ln_f
         self.head = _Linear(model.lm_head.weight, None, rows)
-        P = cache.prefix
-        self.prefix = [(cache.prefix_k_t[i], P.v[i, :, :, : P.length]) for i in range(cfg.n_layer)]
-        self.prefix_bias, self.cache, self.key_mask = cache.prefix_bias, cache, cache.key_mask
+        self.cache = cache
+        self.rebind_gpt(cache)
         self.cos = self.sin = None
         if self.wpe is None:
             half = self.D // 2
             self.cos = model.rope_cos
             self.sin = torch.cat([-model.rope_sin[:, :half], model.rope_sin[:, half:]], dim=-1)
+
+    def rebind_gpt(self, cache) -> None:
+        """Read the prompts' keys, their bias and the key mask from `cache` (again after a cut)."""
+        P = cache.prefix
+        self.prefix = [(cache.prefix_k_t[i], P.v[i, :, :, : P.length]) for i in range(len(self.layers))]
+        self.prefix_bias, self.key_mask = cache.prefix_bias, cache.key_mask

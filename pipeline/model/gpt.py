@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from pipeline.config import ModelConfig
 from pipeline.model import fastpaths, fused_decode
-from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
+from pipeline.model.attention import grouped_prefix_attention, positions_from_mask, whole_groups
 
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "positions", "dropout")
@@ -393,13 +393,22 @@ class GPTDecoder:
         return logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
 
     def select(self, rows: torch.Tensor) -> bool:
-        """Keep only `rows` (indices of the current rows) of a cache with one row per prompt, so
-        later steps skip the rows that have stopped; False (nothing changed) for a shared prefix,
-        whose groups must stay whole."""
+        """Keep only `rows` (indices of the current rows, ascending) so later steps skip the rows
+        that have stopped. With a shared prefix `rows` must be whole groups (the G rows of a prompt
+        share its keys): the prompts of the groups kept stay too. False: nothing changed."""
         c = self.cache
-        if c is None or c.prefix is not None or self.fused is not None:
+        if c is None:
             return False
+        if c.prefix is not None:
+            groups = whole_groups(rows, c.group)
+            if groups is None:
+                return False
+            P = c.prefix
+            P.k, P.v, P.key_mask = P.k[:, groups], P.v[:, groups], P.key_mask[groups]
+            c.prefix_k_t, c.prefix_bias = c.prefix_k_t[:, groups], c.prefix_bias[groups]
         c.k, c.v, c.key_mask = c.k[:, rows], c.v[:, rows], c.key_mask[rows]
+        if self.fused is not None:
+            self.fused.rebind_gpt(c)
         return True
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from pipeline.model import fastpaths, fused_decode
-from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
+from pipeline.model.attention import grouped_prefix_attention, positions_from_mask, whole_groups
 
 
 class HFTokenizer:
@@ -269,18 +269,19 @@ class HFDecoder:
         return out.logits[:, -1].repeat_interleave(repeats, dim=0)  # (N, V)
 
     def select(self, rows: torch.Tensor) -> bool:
-        """Keep only `rows` (indices of the current rows) of a cache with one row per prompt, so
-        later steps skip the rows that have stopped; False (nothing changed) where the G rows of a
-        group share their prompt's keys (the groups must stay whole)."""
+        """Keep only `rows` (indices of the current rows, ascending) so later steps skip the rows
+        that have stopped. Where the G rows of a group share their prompt's keys, `rows` must be
+        whole groups (the prompts of the groups kept stay too). False: nothing changed."""
         if self.shared:
-            if self.cache.k[0].shape[0] != self.prefix[0][0].shape[0]:  # G > 1 rows per prompt
+            groups = whole_groups(rows, self.cache.k[0].shape[0] // self.prefix[0][0].shape[0])
+            if groups is None:
                 return False
-            self.prefix = [(kp_t[rows], vp[rows]) for kp_t, vp in self.prefix]
-            self.mask, self.prefix_bias = self.mask[rows], self.prefix_bias[rows]
+            self.prefix = [(kp_t[groups], vp[groups]) for kp_t, vp in self.prefix]
+            self.mask, self.prefix_bias = self.mask[groups], self.prefix_bias[groups]
             for i in range(len(self.cache.k)):  # in place: the fused step holds this cache
                 self.cache.k[i], self.cache.v[i] = self.cache.k[i][rows], self.cache.v[i][rows]
             if self.fused is not None:
-                self.fused.prefix, self.fused.prefix_bias = self.prefix, self.prefix_bias
+                self.fused.rebind(self.prefix, self.prefix_bias)
             return True
         from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer,
                                               StaticSlidingWindowLayer)
