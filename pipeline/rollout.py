@@ -8,9 +8,13 @@ or after `max_new_tokens`. Every `COMPACT_EVERY` steps, once the finished rows a
 the rows still decoding, they leave the decoder's cache: completions vary in length, and about half
 of a fixed batch's row-steps would otherwise go to rows that have already answered. With one row
 per prompt any stopped row leaves; the G rows of a group share their prompt's keys, so a group
-leaves once all its rows have stopped. The sampler still draws one uniform per row of the whole
-batch each step and hands each remaining row its own, so the draws, and the tokens and log-probs,
-are those of decoding every row to the end (the same bits on CPU fp32: tests/test_rollout.py).
+leaves once all its rows have stopped; the batch never shrinks below `COMPACT_MIN_ROWS`. The
+sampler still draws one uniform per row of the whole batch each step and hands each remaining row
+its own, so the draws, and the tokens and log-probs, are those of decoding every row to the end: on
+CPU fp32 at one thread (the default) the same bits (tests/test_rollout.py). Elsewhere a kernel may
+round a smaller batch differently (CUDA, bf16; at more threads torch's CPU SDPA, which the GPT's
+per-row cache uses, splits its work by the batch size), so a draw near a boundary can differ; each
+run stays reproducible.
 
 Recorded log-probs: ``logprobs[:, t] = log_softmax(logits / temperature)[token]``, the
 FULL-vocabulary distribution at the sampling temperature, before top-k / top-p truncation (the
@@ -124,7 +128,11 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Te
 _CDF_BLOCK = 64
 COMPACT_EVERY = 8  # every this many steps, ...
 COMPACT_FRACTION = 4  # ... drop the finished rows (groups) once they are at least 1/this of the rows decoding
-COMPACT_MIN_ROWS = 2  # never shrink the batch below this: MKL multiplies 1 row with another kernel (other bits)
+# Never shrink the batch below this many rows: under it MKL picks its matmul kernel by the row count
+# (on an AVX2 CPU at one thread 1-3 rows, at two threads every count under 12 that is not a multiple of
+# 4), and another kernel sums in another order: other bits than the full batch's rows
+# (tests/test_rollout.py checks the counts from here up).
+COMPACT_MIN_ROWS = 16
 
 
 def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor | None = None,

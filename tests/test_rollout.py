@@ -391,7 +391,8 @@ def _greedy_with_and_without_compaction(policy, monkeypatch, make_decoder):
     kept: list[int] = []
     monkeypatch.setattr(policy, "decoder", lambda n: _SelectSpy(make_decoder(n), kept))
     monkeypatch.setattr(ro, "COMPACT_EVERY", 2)  # every other step, ...
-    monkeypatch.setattr(ro, "COMPACT_FRACTION", 10**9)  # ... as soon as any row has stopped
+    monkeypatch.setattr(ro, "COMPACT_FRACTION", 10**9)  # ... as soon as any row has stopped, ...
+    monkeypatch.setattr(ro, "COMPACT_MIN_ROWS", 1)  # ... down to one row (greedy tokens; log-probs to 1e-5)
     compacted = rollout_prompts(policy, prompts, 1, 16, greedy=True, stop_ids=stops)
     monkeypatch.setattr(ro, "COMPACT_EVERY", 10**9)  # never: every row decodes to the end
     every_row = rollout_prompts(policy, prompts, 1, 16, greedy=True, stop_ids=stops)
@@ -481,35 +482,69 @@ def _stops_for_group_ends(policy, prompts: list[str], G: int, n: int, seed: int)
     raise AssertionError(f"no stop set gives varied group ends: {resp}")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("G", [1, 3])
-def test_sampled_rollouts_drop_finished_groups_with_the_same_bits(any_policy, G, monkeypatch):
+def test_sampled_rollouts_drop_finished_groups_with_the_same_bits(any_policy, G, threads, monkeypatch):
     """Sampled rollouts drop the rows (G = 1) or whole groups (G > 1: the rows of a prompt share its
     keys) that have finished; each remaining row keeps its own uniform of the whole batch, so on CPU
     fp32 the tokens and the recorded log-probs are bit for bit those of decoding every row to the
-    end (the warmup trains on those log-probs as its old policy)."""
+    end (the warmup trains on those log-probs as its old policy). One exception, at two threads: the
+    GPT's per-row cache (one row per prompt) attends through torch's SDPA, whose CPU kernel splits
+    its work by the batch size, so there the log-probs agree to rounding."""
     import pipeline.rollout as ro
 
     policy = any_policy
-    prompts = PROMPTS + [f"Question: {a} + {b}?" for a, b in ((5, 5), (12, 7), (3, 40))]
+    n_prompts = 36 // G  # 36 rows: room for several cuts above COMPACT_MIN_ROWS
+    prompts = [f"Question: {a} + {b}?" for a, b in zip(range(3, 3 + n_prompts), range(40, 40 - n_prompts, -1))]
     with torch.no_grad():  # a random init samples near-uniformly; scaled up, rows are peaked but varied
         for param in policy.module.parameters():
             if param.dim() >= 2:
                 param.mul_(4.0)
-    stops = _stops_for_group_ends(policy, prompts, G, 16, seed=1)
-    kept: list[int] = []
-    base = policy.decoder
-    monkeypatch.setattr(policy, "decoder", lambda n: _SelectSpy(base(n), kept))
-    monkeypatch.setattr(ro, "COMPACT_EVERY", 1)  # every step, ...
-    monkeypatch.setattr(ro, "COMPACT_FRACTION", 10**9)  # ... as soon as one row or group has finished
-    compacted = rollout_prompts(policy, prompts, G, 16, generator=gen(1), stop_ids=stops)
-    cuts = list(kept)
-    monkeypatch.setattr(ro, "COMPACT_EVERY", 10**9)  # never
-    every_row = rollout_prompts(policy, prompts, G, 16, generator=gen(1), stop_ids=stops)
-    assert len(cuts) >= 2 and cuts == sorted(cuts, reverse=True) and cuts[0] < len(prompts) * G
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        stops = _stops_for_group_ends(policy, prompts, G, 16, seed=1)
+        kept: list[int] = []
+        base = policy.decoder
+        monkeypatch.setattr(policy, "decoder", lambda n: _SelectSpy(base(n), kept))
+        monkeypatch.setattr(ro, "COMPACT_EVERY", 1)  # every step, ...
+        monkeypatch.setattr(ro, "COMPACT_FRACTION", 10**9)  # ... as soon as one row or group has finished
+        compacted = rollout_prompts(policy, prompts, G, 16, generator=gen(1), stop_ids=stops)
+        cuts = list(kept)
+        monkeypatch.setattr(ro, "COMPACT_EVERY", 10**9)  # never
+        every_row = rollout_prompts(policy, prompts, G, 16, generator=gen(1), stop_ids=stops)
+    finally:
+        torch.set_num_threads(saved)
+    assert len(cuts) >= 2 and cuts == sorted(cuts, reverse=True)
     assert all(k % G == 0 and k >= ro.COMPACT_MIN_ROWS for k in cuts)
     assert not every_row.truncated.all() and every_row.truncated.any()
     _assert_same_rollout(compacted, every_row)
-    assert torch.equal(compacted.logprobs, every_row.logprobs)  # the same bits, not only close
+    sdpa_per_row = G == 1 and type(policy.module).__name__ == "GPT"
+    if threads == 1 or not sdpa_per_row:
+        assert torch.equal(compacted.logprobs, every_row.logprobs)  # the same bits, not only close
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_matmul_does_not_depend_on_the_row_count_from_the_cut_minimum(threads):
+    """What the same bits rest on: from COMPACT_MIN_ROWS rows up, a row's product with a weight is
+    the same bits whatever the other rows (packed for that count, or plain), on this CPU's kernels."""
+    from pipeline.model import packed
+    from pipeline.rollout import COMPACT_MIN_ROWS
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = gen(3)
+        for out_f, in_f in ((384, 128), (128, 128), (512, 128), (128, 512), (2048, 128)):
+            w, x = torch.randn(out_f, in_f, generator=g) * 0.05, torch.randn(128, in_f, generator=g)
+            full = torch.nn.functional.linear(x, w)
+            for m in range(COMPACT_MIN_ROWS, 129, 3):
+                assert torch.equal(torch.nn.functional.linear(x[:m], w), full[:m]), (out_f, in_f, m)
+                if packed.available():
+                    got = torch.ops.mkl._mkl_linear(x[:m], torch.ops.mkl._mkl_reorder_linear_weight(w, m), w, None, m)
+                    assert torch.equal(got, full[:m]), (out_f, in_f, m)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_a_cut_keeps_whole_groups_only(gpt_policy):
@@ -532,7 +567,12 @@ def test_a_cut_keeps_whole_groups_only(gpt_policy):
         assert c.k.shape[1] == 4 and c.prefix.k.shape[1] == 2
         assert c.prefix_k_t.shape[1] == 2 and c.prefix_bias.shape[0] == 2
         assert dec.inner.fused.prefix[0][0].shape[0] == 2 and dec.inner.fused.key_mask.shape[0] == 4
-        assert dec.step(torch.tensor([5, 6, 7, 8]), torch.tensor([20, 20, 21, 21])).shape[0] == 4
+        # the groups kept decode as they would have in the whole batch
+        whole = gpt_policy.decoder(40)
+        whole.prefill(ids, mask, mask.cumsum(-1).clamp(min=1) - 1, 2)
+        tokens, pos = torch.tensor([5, 6, 9, 9, 7, 8]), torch.tensor([20, 20, 9, 9, 21, 21])
+        torch.testing.assert_close(dec.step(tokens[[0, 1, 4, 5]], pos[[0, 1, 4, 5]]), whole.step(tokens, pos)[[0, 1, 4, 5]],
+                                   atol=1e-5, rtol=0)
 
 
 def test_the_plain_sampler_keeps_every_row(gpt_policy, monkeypatch):

@@ -8,7 +8,8 @@ the weights do not change, so :class:`FusedLlamaStep` takes them once per rollou
 arithmetic as one flat function:
 
 - q, k and v as ONE matmul (their weights concatenated), gate and up as one, each weight packed for
-  MKL once per rollout on CPU fp32 (``pipeline.model.packed``);
+  MKL once per rollout on CPU fp32 (``pipeline.model.packed``), and again for the new row count
+  when finished rows leave the batch;
 - rotary on q and k together, from a cos/sin table made once (``sin`` carries rotate-half's sign, so
   ``rotate_half(x) * sin`` is one flip and one multiply);
 - this step's key/value written in place into the preallocated response cache (no ``cat``), and the
@@ -58,7 +59,9 @@ def supported(model: nn.Module) -> bool:
 
 
 class _Linear:
-    """``x @ weight.T + bias`` with the weight packed for MKL once (CPU fp32), else ``F.linear``."""
+    """``x @ weight.T + bias`` with the weight packed for MKL (CPU fp32) for the row count of the
+    calls (again when it changes: the packed op takes only the count it was packed for), else
+    ``F.linear``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
         self.weight, self.bias = weight.detach().contiguous(), None if bias is None else bias.detach()

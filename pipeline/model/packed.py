@@ -46,13 +46,16 @@ class _PackedLinear:
         self.original = type(layer).forward
         self.weight = weight  # (out, in), contiguous fp32
         self.bias = bias
-        self.rows = rows
+        self.rows = self.most = rows
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")
                 or (torch.is_grad_enabled() and any(p.requires_grad for p in self.layer.parameters(False)))):
             return self.original(self.layer, x)
+        rows = x.numel() // x.shape[-1]
+        if rows != self.rows and rows <= self.most:  # the decode batch shrank (finished rows left): pack anew
+            self.rows, self.packed = rows, torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
 
 
@@ -73,9 +76,11 @@ def _packable(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | No
 
 @contextlib.contextmanager
 def packed_linears(module: nn.Module, rows: int, enabled: bool = True) -> Iterator[int]:
-    """Within the block, every packable linear layer of `module` runs on weights packed once for
-    `rows`-row inputs (any row count works; `rows` picks MKL's layout). Yields how many layers were
-    packed (0 where it does not apply). The weights must not change inside the block."""
+    """Within the block, every packable linear layer of `module` runs on weights packed for
+    `rows`-row inputs, packed again for a smaller row count when one comes (a decode batch whose
+    finished rows left); a call with more rows (a prefill) takes plain ``F.linear``, as MKL's packed
+    op takes only the count it was packed for. Yields how many layers were packed (0 where it does
+    not apply). The weights must not change inside the block."""
     if not enabled or rows < 1 or not available():
         yield 0
         return
