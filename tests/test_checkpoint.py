@@ -211,3 +211,21 @@ def test_learned_positions_do_not_export(tiny_tokenizer, tmp_path):
     policy = build_policy(tiny_model_config(positions="learned"), tiny_tokenizer)
     with pytest.raises(ValueError, match="rope"):
         ckpt.export_hf(tmp_path / "hf", policy)
+
+
+def test_a_checkpoint_write_removes_the_temporary_folder_of_a_killed_run(gpt_policy, tmp_path):
+    """A run killed while it wrote a checkpoint leaves `.NAME.tmp-PID-*`; the next write of that
+    checkpoint removes it once PID is gone, and leaves a live process's alone."""
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".ck.tmp-{dead.stdout.strip()}-abcdef12"
+    live = tmp_path / f".ck.tmp-{os.getppid()}-abcdef12"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    save_policy(tmp_path / "ck", gpt_policy)
+    assert not stale.exists() and live.exists()
+    load_policy(tmp_path / "ck")
