@@ -19,7 +19,7 @@ difference warmup - control (the same seed's checkpoints on the same problems) w
     python bench/learning.py --work runs/learning --report --rescore   # ... scoring their checkpoints again
     python bench/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
     python bench/learning.py --work runs/learning --report --run .   # the seeds and the run in one table
-    # under torch's AVX2 kernels on any CPU: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 python bench/learning.py ...
+    # the kernels are the params' (model.cpu_kernels: AVX2 by default, on any x86-64 CPU with AVX2)
     # last line: JSON with every figure
 """
 
@@ -231,6 +231,11 @@ def main() -> None:
     if args.rescore and not args.report:
         ap.error("--rescore goes with --report (it scores the finished seeds under --work again)")
     overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
+    # the bench's own scoring computes with the kernels the stages' CLI pins (model.cpu_kernels)
+    from pipeline.config_loading import load_config
+    from pipeline.kernels import apply as pin_cpu_kernels
+
+    pin_cpu_kernels(load_config(args.params, overrides).model.cpu_kernels)
     print(machine_line(1))
     if args.run is not None and not args.report:
         results = [scored_run(args.run)]

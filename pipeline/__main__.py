@@ -6,6 +6,8 @@ numbers of the workspace; ``compare`` lists the experiment's MLflow runs side by
 User mistakes (bad config, missing input files, bad data, a busy workspace) print one line on
 stderr and exit 2. A stage with ``nproc > 1`` (sft, control, warmup, grpo) is started here under torchrun, one
 process per rank, holding the workspace lock for its ranks; the stages themselves never start processes.
+Before a stage imports torch, ``model.cpu_kernels`` pins torch's and MKL's CPU kernels
+(``pipeline.kernels``), for this process and the processes it starts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 from pipeline.cli import add_config_args, exit_status
 from pipeline.config import STAGES
 from pipeline.config_loading import dump_config, load_config
+from pipeline.kernels import apply as pin_cpu_kernels
 
 EXTRA_COMMANDS = ("compare", "summary")
 
@@ -104,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     root = logging.getLogger("pipeline")
     root.setLevel(logging.INFO)
     root.addHandler(handler)
+    if args.stage not in EXTRA_COMMANDS:  # before anything imports torch: MKL and torch read these once
+        pin_cpu_kernels(cfg.model.cpu_kernels)
     if args.stage == "compare":
         from pipeline.tracking.compare import compare_text
 

@@ -103,6 +103,10 @@ class ModelConfig:
     """Module names that get LoRA adapters (peft `target_modules`)."""
     num_threads: int = 1
     """torch intra-op CPU threads; 0 = torch's default (one per core). The tiny default runs fastest on 1."""
+    cpu_kernels: Literal["native", "avx2", "avx512", "compatible"] = "avx2"
+    """CPU kernels of torch and MKL, pinned so a run gives the same bits on every x86-64 CPU with that
+    instruction set (`native`: whatever this CPU has, fastest, figures differ across CPU generations;
+    `compatible`: any x86-64, slowest); pipeline/kernels.py."""
 
 
 @dataclass

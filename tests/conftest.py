@@ -27,6 +27,16 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@localhost", "GIT
            "GIT_COMMITTER_EMAIL": "test@localhost"}
 os.environ.update(QUIET_ENV)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests compute with the kernels `python -m pipeline` pins by default (model.cpu_kernels), set
+# before anything imports torch: in-process results and the CLI's subprocess runs then agree on any CPU.
+from pipeline import kernels as _kernels  # noqa: E402 (torch-free, as is the config)
+from pipeline.config import ModelConfig as _ModelConfig  # noqa: E402
+from pipeline.errors import InputError as _InputError  # noqa: E402
+
+try:
+    _kernels.apply(_ModelConfig().cpu_kernels)
+except _InputError:  # a CPU without that instruction set (the CLI refuses the default there too)
+    pass
 
 
 # Tests that start a real server (Prefect's test harness or API server, an MLflow server) by

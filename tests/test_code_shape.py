@@ -16,7 +16,7 @@ PIPELINE = ROOT / "pipeline"
 LAYERS = [
     ["errors", "utils", "config", "distributed", "progress", "rewards.parsing",
      "model.attention", "model.fastpaths", "model.packed"],
-    ["config_loading", "config_render", "lock", "rewards.verifiers", "tokenizer", "grpo", "summary",
+    ["config_loading", "config_render", "kernels", "lock", "rewards.verifiers", "tokenizer", "grpo", "summary",
      "model.logprobs", "model.lora", "model.fused_decode"],
     ["data.schema", "data.prompts", "model.gpt", "model.hf", "training", "tracking.common"],
     ["files", "data.arithmetic", "model.policy", "tracking.mlflow_client"],

@@ -1,0 +1,98 @@
+"""`model.cpu_kernels`: which variables each setting puts into the environment, what a CPU without
+the instruction set gets (one line naming the key, exit 2), and that the CLI applies the pin before
+torch picks its kernels: in a fresh process, torch then reports the pinned kernels and MLflow records them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline import kernels
+from pipeline.errors import InputError
+from tests.conftest import GSM8K, QUIET_ENV, REPO
+
+AVX2_CPU = {"sse2", "avx", "avx2", "fma"}
+AVX512_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
+ENV = {**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO)}
+
+
+def test_each_setting_sets_both_libraries_or_nothing():
+    assert kernels.pin_env("native", AVX512_CPU) == {}
+    assert kernels.pin_env("avx2", AVX512_CPU) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+    assert kernels.pin_env("avx512", AVX512_CPU) == {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512"}
+    assert kernels.pin_env("compatible", {"sse2"}) == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+    assert kernels.pin_env("avx2", None) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}  # flags unknown
+    assert kernels.pin_env("avx2", AVX2_CPU, machine="aarch64") == {}  # no x86 kernels to pin there
+
+
+@pytest.mark.parametrize("setting, flags, missing", [("avx512", AVX2_CPU, "avx512bw, avx512dq, avx512f, avx512vl"),
+                                                     ("avx2", {"sse2", "avx"}, "avx2, fma")])
+def test_a_cpu_without_the_instruction_set_is_refused_by_name(setting, flags, missing):
+    with pytest.raises(InputError) as exc:
+        kernels.pin_env(setting, flags, machine="x86_64")
+    assert str(exc.value).startswith(f"model.cpu_kernels = {setting}: this CPU lacks {missing};")
+    with pytest.raises(InputError, match="allowed values are native, avx2, avx512, compatible"):
+        kernels.pin_env("sse", AVX2_CPU)
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\n")
+    assert kernels.cpu_flags(info) == {"fpu", "sse2", "avx2", "fma"}
+    assert kernels.cpu_flags(tmp_path / "absent") is None
+
+
+@pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
+def test_apply_replaces_a_different_value_from_the_environment_and_says_so(caplog, monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: None)
+    env = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX2", "OTHER": "x"}
+    with caplog.at_level(logging.WARNING, logger="pipeline.kernels"):
+        assert kernels.apply("avx2", env) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+    assert env == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OTHER": "x"}
+    assert [r.getMessage() for r in caplog.records if "replaces" in r.getMessage()] == [
+        "model.cpu_kernels = avx2: ATEN_CPU_CAPABILITY=avx2 replaces avx512 from the environment"]
+    env = {"ATEN_CPU_CAPABILITY": "avx512"}
+    assert kernels.apply("native", env) == {} and env == {"ATEN_CPU_CAPABILITY": "avx512"}  # the user's choice stands
+
+
+def _capability_after_pin(setting: str) -> str:
+    code = ("import sys; from pipeline import kernels; kernels.apply(sys.argv[1]); import os, torch; "
+            "print(torch.backends.cpu.get_cpu_capability(), os.environ.get('MKL_CBWR'))")
+    env = {k: v for k, v in ENV.items() if k not in kernels.ENV_VARS}
+    res = subprocess.run([sys.executable, "-c", code, setting], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+@pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
+def test_torch_computes_with_the_pinned_kernels():
+    assert _capability_after_pin("compatible") == "DEFAULT COMPATIBLE"
+    if {"avx2", "fma"} <= (kernels.cpu_flags() or set()):
+        assert _capability_after_pin("avx2") == "AVX2 AVX2"
+
+
+@pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
+def test_the_cli_pins_before_the_stage_loads_torch_and_mlflow_records_it(tmp_path):
+    """A stage run by `python -m pipeline` with the pin set to a kernel set below any x86-64 CPU's
+    native one: torch in the stage's process reports scalar kernels, and the stage's MLflow run is tagged
+    with them and with both variables."""
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {k: v for k, v in ENV.items() if k not in kernels.ENV_VARS}
+    res = subprocess.run([sys.executable, "-m", "pipeline", "prepare", "--params", str(REPO / "configs" / "smoke.yaml"),
+                          "--set", f"data.gsm8k_source={GSM8K}", "--set", "model.cpu_kernels=compatible",
+                          "--set", "tracking.enabled=true", "--set", f"tracking.uri={store}",
+                          "--set", "tracking.experiment=kernels"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("kernels").experiment_id])
+    tags = run.data.tags
+    assert (tags["env.cpu_kernels"], tags["env.ATEN_CPU_CAPABILITY"], tags["env.MKL_CBWR"]) == \
+        ("DEFAULT", "default", "COMPATIBLE")
