@@ -9,8 +9,11 @@ repeat i of the other, run back to back, reported as median (min, max) over the 
 Arms: ``ours_hf_llama`` (the fused Llama decode step, ``pipeline.model.fused_decode``),
 ``hf_generate``, ``ours_gpt`` (the from-scratch GPT of the same width/depth),
 ``ours_hf_module_step`` (the same shared-prefix decoder with each step through the model's own
-modules: ``fused_step_speedup``). ``--bf16``: both engines under bf16 autocast (``ratio_bf16``;
-slower than fp32 on a CPU without bf16 kernels: see the ``kernels`` of the first line).
+modules: ``fused_step_speedup``), ``weight_matmuls_only`` (the rollout's weight matmuls alone,
+packed as the fused step packs them: a floor under any fp32 engine on this CPU; ``floor_ratio`` =
+generate() over it, the most any such engine could be ahead of generate() here; ``ours_over_floor``).
+``--bf16``: both engines under bf16 autocast (``ratio_bf16``; slower than fp32 on a CPU without
+bf16 kernels: see the ``kernels`` of the first line).
 ``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms.
 
 Also the ops dispatched per decode step of each engine (``ops_per_decode_step``: a rollout of 16
@@ -97,6 +100,43 @@ def build(layers: int, width: int, heads: int):
     return hf_policy, gpt_policy, V
 
 
+def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tokens: int):
+    """The rollout's weight matmuls and nothing else: the prefill's (every layer's q/k/v, o, gate/up and
+    down weights on the B x Tp prompt tokens, the LM head on the B last ones) and each decode step's
+    (the same weights and the head on all N rows, for the new_tokens - 1 steps after the prefill), with
+    the weights packed for MKL as the fused step packs them. No attention, norms, sampling or
+    bookkeeping: a floor under any engine that does this arithmetic in fp32 on this CPU, so
+    generate() over it bounds the speed-up any such engine could show (``floor_ratio``)."""
+    from pipeline.model import packed
+
+    weights = []
+    for layer in llama.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        weights += [torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(),
+                    att.o_proj.weight.detach(), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                    mlp.down_proj.weight.detach()]
+    head = llama.lm_head.weight.detach()
+    use_packed = packed.available()
+
+    def linears(n: int, ws: list[torch.Tensor]):
+        pk = [torch.ops.mkl._mkl_reorder_linear_weight(w, n) if use_packed else None for w in ws]
+        xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in ws}
+        if use_packed:
+            return lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, n) for p, w in zip(pk, ws)]
+        return lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws]
+
+    prefill, prefill_head = linears(prompts * prompt_len, weights), linears(prompts, [head])
+    step = linears(rows, [*weights, head])
+
+    def run():
+        with torch.inference_mode():
+            prefill()
+            prefill_head()
+            for _ in range(new_tokens - 1):
+                step()
+    return run
+
+
 def ops_per_step(make_run, n: int = 8) -> float:
     """Ops dispatched per decode step (bench.common.count_aten_ops): a rollout of 2n new tokens minus
     one of n, over n; the prefill and the per-rollout set-up cancel out."""
@@ -162,7 +202,9 @@ def main() -> None:
 
     module_step = variant(lambda max_len: HFDecoder(llama, max_len, fused=False))  # each step through the modules
     runs = {"ours_hf_llama": ours(hf_policy), "hf_generate": hf_generate(), "ours_gpt": ours(gpt_policy),
-            "ours_hf_module_step": ours(module_step)}
+            "ours_hf_module_step": ours(module_step),
+            "weight_matmuls_only": weight_matmuls_only(llama, args.prompts, args.prompt_len,
+                                                       args.prompts * args.group, args.new_tokens)}
     if args.bf16:
         runs |= {"ours_hf_bf16": ours(variant(None, "bfloat16")), "hf_generate_bf16": hf_generate(dtype=torch.bfloat16)}
     if args.levers:
@@ -184,7 +226,9 @@ def main() -> None:
         print(f"  {name:26s} {n_tokens / median(ts):10.0f} tok/s  (" + ", ".join(f"{t:.3f}s" for t in ts) + ")"
               + (f"  {ops[name]:.0f} ops/decode step" if name in ops else ""))
     pairs = {"ratio": ("hf_generate", "ours_hf_llama"), "ratio_gpt": ("hf_generate", "ours_gpt"),
-             "fused_step_speedup": ("ours_hf_module_step", "ours_hf_llama")}
+             "fused_step_speedup": ("ours_hf_module_step", "ours_hf_llama"),
+             "floor_ratio": ("hf_generate", "weight_matmuls_only"),
+             "ours_over_floor": ("ours_hf_llama", "weight_matmuls_only")}
     if args.bf16:
         pairs |= {"ratio_bf16": ("hf_generate_bf16", "ours_hf_bf16"), "bf16_speedup": ("ours_hf_llama", "ours_hf_bf16")}
     if args.levers:

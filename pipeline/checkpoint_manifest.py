@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CheckpointError
-from pipeline.files import _remove_stale, ensure_dir, raise_if_storage, sha256, storage_errors
+from pipeline.files import ensure_dir, raise_if_storage, remove_stale, sha256, storage_errors
 from pipeline.model.gpt import GPTConfig
 
 
@@ -53,7 +53,7 @@ def _atomic_folder(folder: str | Path):
     ensure_dir(folder.parent)
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"{folder}: is a file where a checkpoint folder is written; move it away")
-    _remove_stale(folder.parent, f".{folder.name}.tmp-")  # left by a run killed while it wrote this folder
+    remove_stale(folder.parent, f".{folder.name}.tmp-")  # left by a run killed while it wrote this folder
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = folder.parent / f".{folder.name}.tmp-{tag}"
     with storage_errors(folder):

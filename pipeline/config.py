@@ -103,10 +103,10 @@ class ModelConfig:
     """Module names that get LoRA adapters (peft `target_modules`)."""
     num_threads: int = 1
     """torch intra-op CPU threads; 0 = torch's default (one per core). The tiny default runs fastest on 1."""
-    cpu_kernels: Literal["native", "avx2", "avx512", "compatible"] = "avx2"
-    """CPU kernels of torch and MKL, pinned so a run gives the same bits on every x86-64 CPU with that
-    instruction set (`native`: whatever this CPU has, fastest, figures differ across CPU generations;
-    `compatible`: any x86-64, slowest); pipeline/kernels.py."""
+    cpu_kernels: Literal["native", "avx2", "avx512", "compatible"] = "native"
+    """CPU kernels of torch and MKL: `native` (this CPU's own, fastest), `avx2` / `avx512` (torch's kernels of
+    that set, MKL's reproducibility branch of it: the same bits on Intel CPUs with the set), `compatible`
+    (scalar kernels: the same bits on any x86-64 CPU, about 2.3x slower); pipeline/kernels.py."""
 
 
 @dataclass

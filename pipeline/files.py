@@ -214,8 +214,9 @@ def _link_tree(src: Path, dst: Path) -> None:
         os.link(src, dst)
 
 
-def _remove_stale(parent: Path, prefix: str) -> None:
-    """Temporary folders left by killed runs (their pid is gone)."""
+def remove_stale(parent: Path, prefix: str) -> None:
+    """Remove the folders `parent/{prefix}{pid}-*` whose process is gone: the temporary folders of
+    killed runs (a write names its temporary folder after its pid)."""
     for p in parent.glob(f"{prefix}*"):
         pid = p.name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid():
@@ -235,7 +236,7 @@ def replaced_dir(target: str | Path) -> Iterator[Path]:
         raise InputError(f"{target}: is a file where the stage writes the folder {target}/; move it away")
     parent = ensure_dir(target.absolute().parent)
     prefix = f".{target.name}.tmp-"
-    _remove_stale(parent, prefix)
+    remove_stale(parent, prefix)
     tmp = parent / f"{prefix}{os.getpid()}-{os.urandom(3).hex()}"
     tmp.mkdir()
     try:

@@ -1,23 +1,26 @@
 """Which CPU kernels a run computes with: `model.cpu_kernels`, applied before torch is imported.
 
 torch picks its vector kernels (AVX2, AVX512, ...) and MKL its GEMM code path from the CPU it runs
-on, and each changes the order of floating-point sums. A run is bit-identical on one machine but
-not across machines: the same SFT has landed 10 points apart on two CPUs
-(docs/results/reproducibility.md). Pinning both to one instruction set gives the same bits on every
-x86-64 CPU that has it, at the cost of the wider kernels a newer CPU would pick:
+on, and each changes the order of floating-point sums. A run is bit-identical on one machine, not
+across machines: the same SFT has landed 10 points apart on two CPUs
+(docs/results/reproducibility.md). This param makes the kernels part of the run's params (DVC
+re-runs the stages when it changes; MLflow records what torch reports):
 
-- ``native``: whatever this CPU has (and ``ATEN_CPU_CAPABILITY`` / ``MKL_CBWR`` from the
-  environment, if the user set them): the fastest, not reproducible across CPU generations;
-- ``avx2`` (the default): torch's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``) and MKL's conditional
-  numerical reproducibility branch for AVX2 (``MKL_CBWR=AVX2``): any x86-64 CPU with AVX2 and FMA
-  (Intel since 2013, AMD since 2015);
-- ``avx512``: the same for AVX512 (F, BW, DQ, VL);
-- ``compatible``: torch's scalar kernels and MKL's ``COMPATIBLE`` branch: any x86-64 CPU, slowest.
+- ``native`` (the default): whatever this CPU has, or ``ATEN_CPU_CAPABILITY`` / ``MKL_CBWR`` from
+  the environment where the user set them;
+- ``avx2`` / ``avx512``: torch's AVX2 / AVX512 kernels on any x86-64 CPU that has the instruction
+  set, and MKL's conditional numerical reproducibility (CNR) branch of that name. MKL honours
+  those branches on Intel CPUs only; elsewhere it takes its ``AUTO`` CNR branch (its own ISA
+  dispatch with deterministic reductions and fixed cache sizes), whose sums still differ from the
+  native ones. So the same bits on Intel CPUs that have the set; elsewhere another fixed order;
+- ``compatible``: torch's scalar kernels and MKL's ``COMPATIBLE`` branch (SSE2 without approximate
+  reciprocals), the one setting MKL keeps on every x86-64 CPU, Intel or not: the same bits on any
+  of them, at about 2.3x the time of an iteration (docs/results/reproducibility.md).
 
 The figures also depend on the thread and process counts (``model.num_threads``, ``sft.nproc``),
-which are params already. What is pinned is torch's own CPU ops and MKL; oneDNN (bf16 on CPU) and
-CUDA kernels are not. On a CPU that is not x86-64 a pin cannot apply: the run uses native kernels
-and says so. No torch import here: the CLI calls :func:`apply` before anything imports torch.
+which are params already. oneDNN (bf16 on CPU) and CUDA kernels are not pinned. On a CPU that is
+not x86-64 no setting applies (the run says so). No torch import here: the CLI calls :func:`apply`
+before anything imports torch.
 """
 
 from __future__ import annotations
@@ -43,16 +46,20 @@ SETTINGS = ("native", *PINS)
 ENV_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
-    """The CPU's feature flags (Linux), or None where they cannot be read."""
+def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[set[str], str] | None:
+    """The CPU's feature flags and vendor (Linux), or None where they cannot be read."""
     try:
-        text = cpuinfo.read_text(errors="replace")
+        text = path.read_text(errors="replace")
     except OSError:
         return None
+    flags, vendor = None, ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return None
+        key, _, value = line.partition(":")
+        if key.strip() == "flags" and flags is None:
+            flags = set(value.split())
+        elif key.strip() == "vendor_id" and not vendor:
+            vendor = value.strip()
+    return None if flags is None else (flags, vendor)
 
 
 def is_x86_64(machine: str | None = None) -> bool:
@@ -76,21 +83,26 @@ def pin_env(setting: str, flags: set[str] | None, machine: str | None = None) ->
 
 
 def apply(setting: str, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Put `setting`'s variables into the environment (this process and every process it starts:
-    torchrun's ranks, the evaluate stage's workers) and return them. Where torch is already
-    imported its kernels may be fixed already: then the kernels torch reports are checked, and a
-    mismatch is logged (the run goes on with them)."""
+    """Put `setting`'s variables into `environ` (default: this process's, and so every process it
+    starts: torchrun's ranks, the evaluate stage's workers) and return them. Where torch is already
+    imported in this process its kernels may be fixed already: then the kernels torch reports are
+    checked, and a mismatch is logged (the run goes on with them)."""
+    live = environ is None  # this process's own environment: torch may already have read it
     environ = os.environ if environ is None else environ
     if setting != "native" and not is_x86_64():
-        log.warning("model.cpu_kernels = %s applies to x86-64 CPUs; this is %s: native kernels, so the figures "
-                    "will not match an x86-64 run's", setting, platform.machine())
-    env = pin_env(setting, cpu_flags())
+        log.warning("model.cpu_kernels = %s applies to x86-64 CPUs; this is %s: native kernels", setting,
+                    platform.machine())
+    info = cpuinfo()
+    env = pin_env(setting, None if info is None else info[0])
+    if setting in ("avx2", "avx512") and env and info is not None and info[1] != "GenuineIntel":
+        log.info("model.cpu_kernels = %s: MKL keeps its %s branch for Intel CPUs; on this %s CPU it takes its AUTO "
+                 "reproducibility branch", setting, env["MKL_CBWR"], info[1] or "non-Intel")
     for var, value in env.items():
         old = environ.get(var)
         if old is not None and old != value:
             log.warning("model.cpu_kernels = %s: %s=%s replaces %s from the environment", setting, var, value, old)
         environ[var] = value
-    if env and "torch" in sys.modules:
+    if env and live and "torch" in sys.modules:
         import torch
 
         have, want = torch.backends.cpu.get_cpu_capability(), PINS[setting][3]

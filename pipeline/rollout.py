@@ -11,7 +11,7 @@ per prompt any stopped row leaves; the G rows of a group share their prompt's ke
 leaves once all its rows have stopped; the batch never shrinks below `COMPACT_MIN_ROWS`. The
 sampler still draws one uniform per row of the whole batch each step and hands each remaining row
 its own, so the draws, and the tokens and log-probs, are those of decoding every row to the end: on
-CPU fp32 at one thread (the default) the same bits (tests/test_rollout.py). Elsewhere a kernel may
+CPU fp32 at one thread (the default) the same bits (tests/test_row_dropping.py). Elsewhere a kernel may
 round a smaller batch differently (CUDA, bf16; at more threads torch's CPU SDPA, which the GPT's
 per-row cache uses, splits its work by the batch size), so a draw near a boundary can differ; each
 run stays reproducible.
@@ -131,7 +131,7 @@ COMPACT_FRACTION = 4  # ... drop the finished rows (groups) once they are at lea
 # Never shrink the batch below this many rows: under it MKL picks its matmul kernel by the row count
 # (on an AVX2 CPU at one thread 1-3 rows, at two threads every count under 12 that is not a multiple of
 # 4), and another kernel sums in another order: other bits than the full batch's rows
-# (tests/test_rollout.py checks the counts from here up).
+# (tests/test_row_dropping.py checks the counts from here up).
 COMPACT_MIN_ROWS = 16
 
 

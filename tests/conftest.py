@@ -27,16 +27,6 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@localhost", "GIT
            "GIT_COMMITTER_EMAIL": "test@localhost"}
 os.environ.update(QUIET_ENV)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The tests compute with the kernels `python -m pipeline` pins by default (model.cpu_kernels), set
-# before anything imports torch: in-process results and the CLI's subprocess runs then agree on any CPU.
-from pipeline import kernels as _kernels  # noqa: E402 (torch-free, as is the config)
-from pipeline.config import ModelConfig as _ModelConfig  # noqa: E402
-from pipeline.errors import InputError as _InputError  # noqa: E402
-
-try:
-    _kernels.apply(_ModelConfig().cpu_kernels)
-except _InputError:  # a CPU without that instruction set (the CLI refuses the default there too)
-    pass
 
 
 # Tests that start a real server (Prefect's test harness or API server, an MLflow server) by
@@ -58,6 +48,17 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+# prompts of three lengths (left padding in every batch) for the rollout tests
+ROLLOUT_PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: 12 - 5?", "Question: What is 99 + 1?\nAnswer: 9"]
+
+
+def seeded(seed: int = 0):
+    """A CPU torch.Generator with this seed."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)
 
 
 def arithmetic_texts(n: int = 300, seed: int = 0) -> list[str]:

@@ -39,24 +39,39 @@ def test_a_cpu_without_the_instruction_set_is_refused_by_name(setting, flags, mi
         kernels.pin_env("sse", AVX2_CPU)
 
 
-def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+def test_flags_and_vendor_are_read_from_cpuinfo(tmp_path):
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\n")
-    assert kernels.cpu_flags(info) == {"fpu", "sse2", "avx2", "fma"}
-    assert kernels.cpu_flags(tmp_path / "absent") is None
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n\n"
+                    "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n")
+    assert kernels.cpuinfo(info) == ({"fpu", "sse2", "avx2", "fma"}, "AuthenticAMD")
+    info.write_text("processor\t: 0\n")
+    assert kernels.cpuinfo(info) is None
+    assert kernels.cpuinfo(tmp_path / "absent") is None
 
 
 @pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
 def test_apply_replaces_a_different_value_from_the_environment_and_says_so(caplog, monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: None)
+    monkeypatch.setattr(kernels, "cpuinfo", lambda: (AVX2_CPU, "GenuineIntel"))
     env = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX2", "OTHER": "x"}
-    with caplog.at_level(logging.WARNING, logger="pipeline.kernels"):
+    with caplog.at_level(logging.INFO, logger="pipeline.kernels"):
         assert kernels.apply("avx2", env) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
     assert env == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OTHER": "x"}
-    assert [r.getMessage() for r in caplog.records if "replaces" in r.getMessage()] == [
+    assert [r.getMessage() for r in caplog.records] == [
         "model.cpu_kernels = avx2: ATEN_CPU_CAPABILITY=avx2 replaces avx512 from the environment"]
     env = {"ATEN_CPU_CAPABILITY": "avx512"}
     assert kernels.apply("native", env) == {} and env == {"ATEN_CPU_CAPABILITY": "avx512"}  # the user's choice stands
+
+
+@pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
+def test_a_non_intel_cpu_is_told_which_mkl_branch_it_gets(caplog, monkeypatch):
+    """MKL honours the AVX2/AVX512 branches on Intel CPUs only (its AUTO branch elsewhere); COMPATIBLE everywhere."""
+    monkeypatch.setattr(kernels, "cpuinfo", lambda: (AVX2_CPU, "AuthenticAMD"))
+    with caplog.at_level(logging.INFO, logger="pipeline.kernels"):
+        kernels.apply("avx2", {})
+        kernels.apply("compatible", {})
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.cpu_kernels = avx2: MKL keeps its AVX2 branch for Intel CPUs; on this AuthenticAMD CPU it takes its "
+        "AUTO reproducibility branch"]
 
 
 def _capability_after_pin(setting: str) -> str:
@@ -72,7 +87,7 @@ def _capability_after_pin(setting: str) -> str:
 @pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
 def test_torch_computes_with_the_pinned_kernels():
     assert _capability_after_pin("compatible") == "DEFAULT COMPATIBLE"
-    if {"avx2", "fma"} <= (kernels.cpu_flags() or set()):
+    if {"avx2", "fma"} <= (kernels.cpuinfo() or (set(), ""))[0]:
         assert _capability_after_pin("avx2") == "AVX2 AVX2"
 
 

@@ -59,23 +59,18 @@ def supported(model: nn.Module) -> bool:
 
 
 class _Linear:
-    """``x @ weight.T + bias`` with the weight packed for MKL (CPU fp32) for the row count of the
-    calls (again when it changes: the packed op takes only the count it was packed for), else
-    ``F.linear``."""
+    """``x @ weight.T + bias`` on the weight packed for MKL (CPU fp32: :class:`~pipeline.model.packed.PackedWeight`,
+    packed again when finished rows leave the batch), else ``F.linear``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
         self.weight, self.bias = weight.detach().contiguous(), None if bias is None else bias.detach()
         self.packed = None
         if weight.dtype == torch.float32 and weight.device.type == "cpu" and packed.available():
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-        self.rows = rows
+            self.packed = packed.PackedWeight(self.weight, self.bias, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"):
-            if x.shape[0] != self.rows:  # finished rows left the batch: pack for the new count (same bits)
-                self.rows = x.shape[0]
-                self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, self.rows)
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -38,25 +38,39 @@ def available() -> bool:
         return False
 
 
+class PackedWeight:
+    """``x @ weight.T + bias`` on MKL's packed copy of `weight` (out, in; contiguous fp32) for
+    `rows`-row inputs. Fewer rows than the count packed for (finished rows left a decode batch) pack
+    it again for the new count, as the packed op takes only that count; more rows than the first
+    count (a prefill) run MKL's plain GEMM on the original weight inside the same op. Shared by the
+    module path (:func:`packed_linears`) and the fused decode step (``pipeline.model.fused_decode``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
+        self.weight, self.bias = weight, bias
+        self.rows = self.most = rows
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows != self.rows and rows <= self.most:
+            self.rows, self.packed = rows, torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+
+
 class _PackedLinear:
-    """A replacement ``forward`` for one layer: ``x @ weight.T + bias`` with the weight packed once."""
+    """A replacement ``forward`` for one layer: :class:`PackedWeight` where it applies, else the
+    layer's own forward."""
 
     def __init__(self, layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
         self.layer = layer
         self.original = type(layer).forward
-        self.weight = weight  # (out, in), contiguous fp32
-        self.bias = bias
-        self.rows = self.most = rows
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        self.linear = PackedWeight(weight, bias, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")
                 or (torch.is_grad_enabled() and any(p.requires_grad for p in self.layer.parameters(False)))):
             return self.original(self.layer, x)
-        rows = x.numel() // x.shape[-1]
-        if rows != self.rows and rows <= self.most:  # the decode batch shrank (finished rows left): pack anew
-            self.rows, self.packed = rows, torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+        return self.linear(x)
 
 
 def _packable(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -100,4 +114,4 @@ def packed_linears(module: nn.Module, rows: int, enabled: bool = True) -> Iterat
             del layer.forward
 
 
-__all__ = ["available", "packed_linears"]
+__all__ = ["PackedWeight", "available", "packed_linears"]
