@@ -1,0 +1,60 @@
+"""bench/rollout.py's floor (`weight_matmuls_only`) does exactly the rollout's weight matmuls: the same
+FLOPs as our engine's linear layers over a whole rollout (the prefill's and every decode step's),
+counted op by op, so `floor_ratio` bounds what an fp32 engine doing that arithmetic could reach."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.rollout import build, weight_matmuls_only
+from pipeline.rollout import rollout_prompts
+
+
+class _LinearFlops(TorchDispatchMode):
+    """FLOPs of the weight matmuls dispatched: MKL's packed linear, and the mm/addmm a plain linear
+    becomes (attention's batched matmuls are bmm/baddbmm, not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "_mkl_linear":
+            x, w = args[0], args[2]  # (..., K) input, (N, K) original weight
+            self.flops += 2 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
+        elif name in ("mm", "addmm"):
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def _flops(fn) -> int:
+    with _LinearFlops() as mode:
+        fn()
+    return mode.flops
+
+
+@pytest.mark.slow  # the bench's model builder trains a 2048-token BPE first
+def test_the_floor_does_the_rollouts_weight_matmuls_and_nothing_else():
+    torch.set_num_threads(1)
+    prompts, group, prompt_len, new = 2, 3, 5, 4
+    hf_policy, _, vocab = build(2, 64, 4)
+    prompt_ids = torch.randint(10, vocab, (prompts, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def ours():
+        r = rollout_prompts(hf_policy, None, group, new, generator=torch.Generator().manual_seed(1), stop_ids=[],
+                            prompt_ids=prompt_ids)
+        assert int(r.response_lengths.sum()) == prompts * group * new
+
+    llama = hf_policy.module
+    got = _flops(ours)
+    floor = _flops(weight_matmuls_only(llama, prompts, prompt_len, prompts * group, new))
+    # by hand: 2 x params of the layers per prompt token, of layers and head per decode row-step
+    per_layer = sum(m.weight.numel() for layer in llama.model.layers for m in layer.modules()
+                    if isinstance(m, torch.nn.Linear))
+    head = llama.lm_head.weight.numel()
+    expected = 2 * (prompts * prompt_len * per_layer + prompts * head + (new - 1) * prompts * group * (per_layer + head))
+    assert got == floor == expected
