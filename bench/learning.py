@@ -19,7 +19,7 @@ difference warmup - control (the same seed's checkpoints on the same problems) w
     python bench/learning.py --work runs/learning --report --rescore   # ... scoring their checkpoints again
     python bench/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
     python bench/learning.py --work runs/learning --report --run .   # the seeds and the run in one table
-    # the kernels are the params' (model.cpu_kernels: AVX2 by default, on any x86-64 CPU with AVX2)
+    # the stages' and the scoring's CPU kernels are the params' (model.cpu_kernels; native by default)
     # last line: JSON with every figure
 """
 
@@ -235,7 +235,15 @@ def main() -> None:
     from pipeline.config_loading import load_config
     from pipeline.kernels import apply as pin_cpu_kernels
 
-    pin_cpu_kernels(load_config(args.params, overrides).model.cpu_kernels)
+    from pipeline.cli import exit_status
+
+    def pin() -> int:
+        pin_cpu_kernels(load_config(args.params, overrides).model.cpu_kernels)
+        return 0
+
+    code = exit_status(pin)
+    if code:  # a bad param or a pin this CPU lacks: its one line is printed
+        sys.exit(code)
     print(machine_line(1))
     if args.run is not None and not args.report:
         results = [scored_run(args.run)]

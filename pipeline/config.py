@@ -104,9 +104,9 @@ class ModelConfig:
     num_threads: int = 1
     """torch intra-op CPU threads; 0 = torch's default (one per core). The tiny default runs fastest on 1."""
     cpu_kernels: Literal["native", "avx2", "avx512", "compatible"] = "native"
-    """CPU kernels of torch and MKL: `native` (this CPU's own, fastest), `avx2` / `avx512` (torch's kernels of
-    that set, MKL's reproducibility branch of it: the same bits on Intel CPUs with the set), `compatible`
-    (scalar kernels: the same bits on any x86-64 CPU, about 2.3x slower); pipeline/kernels.py."""
+    """CPU kernels of torch and MKL: `native` (this CPU's own), `avx2` / `avx512` (torch's kernels of that set and
+    MKL's reproducibility branch of it, which MKL honours on Intel CPUs only), `compatible` (scalar kernels
+    and MKL's branch for any x86-64 CPU; 2.3x an iteration's time on one AMD CPU); pipeline/kernels.py."""
 
 
 @dataclass

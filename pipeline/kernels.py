@@ -9,18 +9,19 @@ re-runs the stages when it changes; MLflow records what torch reports):
 - ``native`` (the default): whatever this CPU has, or ``ATEN_CPU_CAPABILITY`` / ``MKL_CBWR`` from
   the environment where the user set them;
 - ``avx2`` / ``avx512``: torch's AVX2 / AVX512 kernels on any x86-64 CPU that has the instruction
-  set, and MKL's conditional numerical reproducibility (CNR) branch of that name. MKL honours
-  those branches on Intel CPUs only; elsewhere it takes its ``AUTO`` CNR branch (its own ISA
-  dispatch with deterministic reductions and fixed cache sizes), whose sums still differ from the
-  native ones. So the same bits on Intel CPUs that have the set; elsewhere another fixed order;
+  set, and MKL's conditional numerical reproducibility (CNR) branch of that name. MKL documents that
+  it honours those branches on Intel CPUs only and takes its ``AUTO`` CNR branch elsewhere (its own
+  ISA dispatch with deterministic reductions and fixed cache sizes), whose sums differ from the
+  native ones (measured on an AMD CPU: docs/results/reproducibility.md);
 - ``compatible``: torch's scalar kernels and MKL's ``COMPATIBLE`` branch (SSE2 without approximate
-  reciprocals), the one setting MKL keeps on every x86-64 CPU, Intel or not: the same bits on any
-  of them, at about 2.3x the time of an iteration (docs/results/reproducibility.md).
+  reciprocals), the one branch MKL documents for every x86-64 CPU, Intel or not; an iteration took
+  2.3x the native time on one AMD CPU (docs/results/reproducibility.md).
 
-The figures also depend on the thread and process counts (``model.num_threads``, ``sft.nproc``),
-which are params already. oneDNN (bf16 on CPU) and CUDA kernels are not pinned. On a CPU that is
-not x86-64 no setting applies (the run says so). No torch import here: the CLI calls :func:`apply`
-before anything imports torch.
+Which bits agree across CPUs under a pin rests on MKL's and torch's documented behaviour; no pair
+of machines has been compared under one yet. The figures also depend on the thread and process
+counts (``model.num_threads``, ``sft.nproc``), which are params already. oneDNN (bf16 on CPU) and
+CUDA kernels are not pinned. On a CPU that is not x86-64 no setting applies (the run says so). No
+torch import here: the CLI calls :func:`apply` before anything imports torch.
 """
 
 from __future__ import annotations
@@ -68,18 +69,32 @@ def is_x86_64(machine: str | None = None) -> bool:
 
 def pin_env(setting: str, flags: set[str] | None, machine: str | None = None) -> dict[str, str]:
     """The environment `setting` needs on this CPU ({} for ``native`` or a CPU that is not x86-64);
-    an InputError naming the key where the CPU lacks the instruction set (torch would not check:
-    its AVX512 kernels on a CPU without AVX512 stop at the first illegal instruction)."""
+    an InputError naming the key where the CPU lacks the instruction set, or where its flags cannot
+    be read (torch does not check: its AVX512 kernels on a CPU without AVX512 stop at the first
+    illegal instruction)."""
     if setting not in SETTINGS:
         raise InputError(f"model.cpu_kernels = {setting!r}: allowed values are {', '.join(SETTINGS)}")
     if setting == "native" or not is_x86_64(machine):
         return {}
     aten, mkl, needs, _ = PINS[setting]
-    missing = sorted(set(needs) - flags) if flags is not None else []
+    if needs and flags is None:
+        raise InputError(f"model.cpu_kernels = {setting}: this CPU's feature flags cannot be read (/proc/cpuinfo) "
+                         f"to check it has {', '.join(needs)}; set model.cpu_kernels to native or compatible")
+    missing = sorted(set(needs) - (flags or set()))
     if missing:
+        fits = [name for name, pin in PINS.items() if set(pin[2]) <= (flags or set())]
         raise InputError(f"model.cpu_kernels = {setting}: this CPU lacks {', '.join(missing)}; set model.cpu_kernels "
-                         f"to an instruction set it has (avx2, compatible) or native")
+                         f"to {' or '.join(['native', *fits])}")
     return {"ATEN_CPU_CAPABILITY": aten, "MKL_CBWR": mkl}
+
+
+def mkl_branch(value: str, vendor: str | None) -> str:
+    """The CNR branch MKL takes for ``MKL_CBWR=value`` on a CPU of `vendor` (``vendor_id``): branches
+    other than AUTO and COMPATIBLE on Intel CPUs only, AUTO elsewhere (MKL's documented rule)."""
+    branch = value.split(",")[0].removeprefix("BRANCH=").strip().upper()
+    if branch in ("AUTO", "COMPATIBLE") or vendor == "GenuineIntel" or not vendor:
+        return branch
+    return "AUTO"
 
 
 def apply(setting: str, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
@@ -94,9 +109,9 @@ def apply(setting: str, environ: MutableMapping[str, str] | None = None) -> dict
                     platform.machine())
     info = cpuinfo()
     env = pin_env(setting, None if info is None else info[0])
-    if setting in ("avx2", "avx512") and env and info is not None and info[1] != "GenuineIntel":
+    if env and info is not None and mkl_branch(env["MKL_CBWR"], info[1]) != env["MKL_CBWR"]:
         log.info("model.cpu_kernels = %s: MKL keeps its %s branch for Intel CPUs; on this %s CPU it takes its AUTO "
-                 "reproducibility branch", setting, env["MKL_CBWR"], info[1] or "non-Intel")
+                 "reproducibility branch", setting, env["MKL_CBWR"], info[1])
     for var, value in env.items():
         old = environ.get(var)
         if old is not None and old != value:

@@ -21,22 +21,48 @@ ENV = {**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO)}
 
 
 def test_each_setting_sets_both_libraries_or_nothing():
-    assert kernels.pin_env("native", AVX512_CPU) == {}
-    assert kernels.pin_env("avx2", AVX512_CPU) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
-    assert kernels.pin_env("avx512", AVX512_CPU) == {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512"}
-    assert kernels.pin_env("compatible", {"sse2"}) == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
-    assert kernels.pin_env("avx2", None) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}  # flags unknown
+    x86 = "x86_64"
+    assert kernels.pin_env("native", AVX512_CPU, x86) == {}
+    assert kernels.pin_env("avx2", AVX512_CPU, x86) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+    assert kernels.pin_env("avx512", AVX512_CPU, x86) == {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512"}
+    assert kernels.pin_env("compatible", {"sse2"}, x86) == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+    assert kernels.pin_env("compatible", None, x86) == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
     assert kernels.pin_env("avx2", AVX2_CPU, machine="aarch64") == {}  # no x86 kernels to pin there
 
 
-@pytest.mark.parametrize("setting, flags, missing", [("avx512", AVX2_CPU, "avx512bw, avx512dq, avx512f, avx512vl"),
-                                                     ("avx2", {"sse2", "avx"}, "avx2, fma")])
-def test_a_cpu_without_the_instruction_set_is_refused_by_name(setting, flags, missing):
+@pytest.mark.parametrize("setting, flags, message", [
+    ("avx512", AVX2_CPU, "this CPU lacks avx512bw, avx512dq, avx512f, avx512vl; set model.cpu_kernels to native or "
+                         "avx2 or compatible"),
+    ("avx2", {"sse2", "avx"}, "this CPU lacks avx2, fma; set model.cpu_kernels to native or compatible"),
+    ("avx2", None, "this CPU's feature flags cannot be read (/proc/cpuinfo) to check it has avx2, fma; set "
+                   "model.cpu_kernels to native or compatible")])
+def test_a_cpu_without_the_instruction_set_is_refused_by_name(setting, flags, message):
     with pytest.raises(InputError) as exc:
         kernels.pin_env(setting, flags, machine="x86_64")
-    assert str(exc.value).startswith(f"model.cpu_kernels = {setting}: this CPU lacks {missing};")
+    assert str(exc.value) == f"model.cpu_kernels = {setting}: {message}"
     with pytest.raises(InputError, match="allowed values are native, avx2, avx512, compatible"):
-        kernels.pin_env("sse", AVX2_CPU)
+        kernels.pin_env("sse", AVX2_CPU, machine="x86_64")
+
+
+def test_the_cli_refuses_a_pin_the_cpu_lacks_in_one_line(monkeypatch, capsys):
+    """Exit 2 and one `error:` line naming the key, before any stage starts."""
+    from pipeline.__main__ import main
+
+    monkeypatch.setattr(kernels, "cpuinfo", lambda: (AVX2_CPU, "GenuineIntel"))
+    monkeypatch.setattr(kernels, "is_x86_64", lambda machine=None: True)
+    code = main(["sft", "--params", str(REPO / "configs" / "smoke.yaml"), "--set", "model.cpu_kernels=avx512"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["error: model.cpu_kernels = avx512: this CPU lacks avx512bw, avx512dq, avx512f, "
+                                 "avx512vl; set model.cpu_kernels to native or avx2 or compatible"]
+
+
+@pytest.mark.parametrize("value, vendor, branch", [("AVX2", "GenuineIntel", "AVX2"), ("AVX2", "AuthenticAMD", "AUTO"),
+                                                   ("AVX512,STRICT", "AuthenticAMD", "AUTO"),
+                                                   ("COMPATIBLE", "AuthenticAMD", "COMPATIBLE"),
+                                                   ("BRANCH=AVX2", "GenuineIntel", "AVX2"), ("auto", "HygonGenuine", "AUTO")])
+def test_the_mkl_branch_a_cpu_gets(value, vendor, branch):
+    """MKL's documented rule: branches other than AUTO and COMPATIBLE on Intel CPUs only."""
+    assert kernels.mkl_branch(value, vendor) == branch
 
 
 def test_flags_and_vendor_are_read_from_cpuinfo(tmp_path):
@@ -75,6 +101,8 @@ def test_a_non_intel_cpu_is_told_which_mkl_branch_it_gets(caplog, monkeypatch):
 
 
 def _capability_after_pin(setting: str) -> str:
+    """What torch reports in a fresh process after the pin (MKL's branch is not readable back from
+    torch: its variable is what this returns beside it)."""
     code = ("import sys; from pipeline import kernels; kernels.apply(sys.argv[1]); import os, torch; "
             "print(torch.backends.cpu.get_cpu_capability(), os.environ.get('MKL_CBWR'))")
     env = {k: v for k, v in ENV.items() if k not in kernels.ENV_VARS}
@@ -109,5 +137,5 @@ def test_the_cli_pins_before_the_stage_loads_torch_and_mlflow_records_it(tmp_pat
     client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("kernels").experiment_id])
     tags = run.data.tags
-    assert (tags["env.cpu_kernels"], tags["env.ATEN_CPU_CAPABILITY"], tags["env.MKL_CBWR"]) == \
-        ("DEFAULT", "default", "COMPATIBLE")
+    assert (tags["env.cpu_kernels"], tags["env.ATEN_CPU_CAPABILITY"], tags["env.MKL_CBWR"], tags["env.mkl_branch"]) == \
+        ("DEFAULT", "default", "COMPATIBLE", "COMPATIBLE")

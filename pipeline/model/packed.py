@@ -92,8 +92,8 @@ def _packable(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | No
 def packed_linears(module: nn.Module, rows: int, enabled: bool = True) -> Iterator[int]:
     """Within the block, every packable linear layer of `module` runs on weights packed for
     `rows`-row inputs, packed again for a smaller row count when one comes (a decode batch whose
-    finished rows left); a call with more rows (a prefill) takes plain ``F.linear``, as MKL's packed
-    op takes only the count it was packed for. Yields how many layers were packed (0 where it does
+    finished rows left); a call with more rows (a prefill) runs MKL's plain GEMM inside the same op
+    (:class:`PackedWeight`), as MKL's packed GEMM takes only the count it was packed for. Yields how many layers were packed (0 where it does
     not apply). The weights must not change inside the block."""
     if not enabled or rows < 1 or not available():
         yield 0

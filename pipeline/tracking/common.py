@@ -130,7 +130,8 @@ def runtime_tags() -> dict[str, str]:
     landed at 70.5% held-out greedy on one 2-core machine and 81.0% on another, same code, params
     and wheel; on one machine, ``ATEN_CPU_CAPABILITY=avx2`` instead of the AVX512 default changed its
     logged loss from step 200 on (1.8929 against 1.8927) and its end point. ``ATEN_CPU_CAPABILITY``
-    and ``MKL_CBWR`` are recorded when set.
+    and ``MKL_CBWR`` are recorded when set (``model.cpu_kernels`` sets them), and ``env.mkl_branch``, the
+    branch MKL takes for the latter on this CPU.
     """
     import platform
 
@@ -147,4 +148,9 @@ def runtime_tags() -> dict[str, str]:
     for var in ("ATEN_CPU_CAPABILITY", "MKL_CBWR"):
         if os.environ.get(var):
             tags[f"env.{var}"] = os.environ[var]
+    if os.environ.get("MKL_CBWR"):  # what MKL takes for it on this CPU (AUTO on a non-Intel one)
+        from pipeline.kernels import cpuinfo, mkl_branch
+
+        info = cpuinfo()
+        tags["env.mkl_branch"] = mkl_branch(os.environ["MKL_CBWR"], None if info is None else info[1])
     return tags
