@@ -9,9 +9,10 @@ repeat i of the other, run back to back, reported as median (min, max) over the 
 Arms: ``ours_hf_llama`` (the fused Llama decode step, ``pipeline.model.fused_decode``),
 ``hf_generate``, ``ours_gpt`` (the from-scratch GPT of the same width/depth),
 ``ours_hf_module_step`` (the same shared-prefix decoder with each step through the model's own
-modules: ``fused_step_speedup``), ``weight_matmuls_only`` (the rollout's weight matmuls alone,
-packed as the fused step packs them: a floor under any fp32 engine on this CPU; ``floor_ratio`` =
-generate() over it, the most any such engine could be ahead of generate() here; ``ours_over_floor``).
+modules: ``fused_step_speedup``), ``weight_matmuls_only`` (our rollout's weight matmuls alone, on
+MKL's packed GEMM as the fused step runs them: what the rollout would cost with every other op free;
+``floor_ratio`` = generate() over it, an estimate of how far ahead of generate() an fp32 engine with
+our arithmetic, one prefill per prompt included, could get on this CPU; ``ours_over_floor``).
 ``--bf16``: both engines under bf16 autocast (``ratio_bf16``; slower than fp32 on a CPU without
 bf16 kernels: see the ``kernels`` of the first line).
 ``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms.
@@ -101,12 +102,14 @@ def build(layers: int, width: int, heads: int):
 
 
 def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tokens: int):
-    """The rollout's weight matmuls and nothing else: the prefill's (every layer's q/k/v, o, gate/up and
+    """Our rollout's weight matmuls and nothing else: the prefill's (every layer's q/k/v, o, gate/up and
     down weights on the B x Tp prompt tokens, the LM head on the B last ones) and each decode step's
-    (the same weights and the head on all N rows, for the new_tokens - 1 steps after the prefill), with
-    the weights packed for MKL as the fused step packs them. No attention, norms, sampling or
-    bookkeeping: a floor under any engine that does this arithmetic in fp32 on this CPU, so
-    generate() over it bounds the speed-up any such engine could show (``floor_ratio``)."""
+    (the same weights and the head on all N rows, for the new_tokens - 1 steps after the prefill), on
+    MKL's packed GEMM as the fused step runs them (packed outside the timed calls, the same inputs
+    each step). No attention, norms, sampling or bookkeeping: what the rollout would cost with every
+    other op free. It is an estimate, not a bound: another GEMM could be faster, and generate()
+    prefills all B x G rows where ours prefills each prompt once, so ``floor_ratio`` includes that
+    saving (bench/tests/test_rollout_floor.py checks the FLOPs equal our engine's)."""
     from pipeline.model import packed
 
     weights = []
