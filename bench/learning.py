@@ -232,10 +232,9 @@ def main() -> None:
         ap.error("--rescore goes with --report (it scores the finished seeds under --work again)")
     overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
     # the bench's own scoring computes with the kernels the stages' CLI pins (model.cpu_kernels)
+    from pipeline.cli import exit_status
     from pipeline.config_loading import load_config
     from pipeline.kernels import apply as pin_cpu_kernels
-
-    from pipeline.cli import exit_status
 
     def pin() -> int:
         pin_cpu_kernels(load_config(args.params, overrides).model.cpu_kernels)

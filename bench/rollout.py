@@ -110,26 +110,22 @@ def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tok
     other op free. It is an estimate, not a bound: another GEMM could be faster, and generate()
     prefills all B x G rows where ours prefills each prompt once, so ``floor_ratio`` includes that
     saving (bench/tests/test_rollout_floor.py checks the FLOPs equal our engine's)."""
-    from pipeline.model import packed
+    from pipeline.model.fused_decode import _Layer, _Linear  # the fused step's own fused, packed weights
 
-    weights = []
-    for layer in llama.model.layers:
-        att, mlp = layer.self_attn, layer.mlp
-        weights += [torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(),
-                    att.o_proj.weight.detach(), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                    mlp.down_proj.weight.detach()]
-    head = llama.lm_head.weight.detach()
-    use_packed = packed.available()
+    def linears(n: int):  # every weight of the model, packed for n-row calls as the fused step packs it
+        layers = [_Layer(layer, n) for layer in llama.model.layers]
+        fns = [f for L in layers for f in (L.qkv, L.o, L.gate_up, L.down)]
+        head = _Linear(llama.lm_head.weight, llama.lm_head.bias, n)
+        xs = {f.weight.shape[1]: torch.randn(n, f.weight.shape[1]) for f in [*fns, head]}
+        return (lambda: [f(xs[f.weight.shape[1]]) for f in fns]), (lambda: head(xs[head.weight.shape[1]]))
 
-    def linears(n: int, ws: list[torch.Tensor]):
-        pk = [torch.ops.mkl._mkl_reorder_linear_weight(w, n) if use_packed else None for w in ws]
-        xs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in ws}
-        if use_packed:
-            return lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, n) for p, w in zip(pk, ws)]
-        return lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws]
+    prefill, _ = linears(prompts * prompt_len)
+    _, prefill_head = linears(prompts)
+    step_layers, step_head = linears(rows)
 
-    prefill, prefill_head = linears(prompts * prompt_len, weights), linears(prompts, [head])
-    step = linears(rows, [*weights, head])
+    def step():
+        step_layers()
+        step_head()
 
     def run():
         with torch.inference_mode():
