@@ -47,7 +47,7 @@ def static_step(model: GPT, B: int, G: int, Tp: int, M: int):
         x = model.wte(tok)[:, None]  # (N, 1, C)
         p = (t + Tp).view(1)
         cos = model.rope_cos.index_select(0, p).view(1, 1, 1, D)
-        sin = model.rope_sin.index_select(0, p).view(1, 1, 1, D)
+        sin = model.rope_sin_signed.index_select(0, p).view(1, 1, 1, D)
         written = torch.zeros(M).masked_fill(torch.arange(M) >= t, float("-inf"))  # (M,)
         ks, vs = [], []
         for layer, blk in enumerate(model.h):

@@ -223,3 +223,47 @@ def test_gpt_config_takes_its_shape_from_the_model_config():
     assert (built.n_layer, built.n_embd, built.n_head, built.positions, built.block_size, built.vocab_size) == (
         3, 48, 3, "learned", 96, 300)
 
+
+
+def test_rope_with_the_signed_sin_is_rotate_half_bit_for_bit():
+    """`apply_rope` multiplies [x2, x1] by the signed sin table instead of negating x2: the same
+    values and gradients as HF Llama's ``x * cos + rotate_half(x) * sin``, bit for bit."""
+    from pipeline.model.gpt import _rope_tables, apply_rope
+
+    cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, block_size=40)
+    cos, sin_signed = _rope_tables(cfg)
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    emb = torch.outer(torch.arange(40, dtype=torch.float32), inv_freq).repeat(1, 2)  # (S, D)
+    assert torch.equal(cos, emb.cos()) and torch.equal(sin_signed, torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], -1))
+    torch.manual_seed(1)
+    x = (torch.randn(3, 2, 40, cfg.head_dim) * 5).requires_grad_()
+    ref = x.detach().clone().requires_grad_()
+    pos = torch.randint(0, 40, (3, 40))
+    got = apply_rope(x, cos[pos][:, None], sin_signed[pos][:, None])
+    x1, x2 = ref.chunk(2, dim=-1)
+    want = ref * emb.cos()[pos][:, None] + torch.cat([-x2, x1], dim=-1) * emb.sin()[pos][:, None]
+    assert torch.equal(got, want)
+    upstream = torch.randn_like(got)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+
+
+def test_prompt_keys_per_row_equal_a_repeated_copy_bit_for_bit():
+    """The log-prob passes' rows read their group's prompt keys through an expanded view: the same
+    keys, and the same gradient to the prompt (summed over the group), as a repeat_interleave copy."""
+    from pipeline.model.gpt import PromptKV
+
+    torch.manual_seed(2)
+    B, G, H, Tp, T, D = 3, 4, 2, 5, 6, 8
+    kv = PromptKV(torch.ones(B, Tp), G)
+    prompt = torch.randn(B, H, Tp, D, requires_grad=True)
+    own = torch.randn(B * G, H, T, D, requires_grad=True)
+    got = kv._per_row(prompt, own)
+    want = torch.cat([prompt.repeat_interleave(G, dim=0), own], dim=2)
+    assert got.shape == (B * G, H, Tp + T, D) and torch.equal(got, want)
+    upstream = torch.randn_like(got)
+    got_grads = torch.autograd.grad((got * upstream).sum(), (prompt, own))
+    want_grads = torch.autograd.grad((want * upstream).sum(), (prompt, own))
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))

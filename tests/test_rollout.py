@@ -313,6 +313,32 @@ def test_hf_shared_prefix_decoder_equals_the_plain_decoder(kind, hf_dirs, monkey
     assert len(set(plain.response_lengths.tolist())) > 1  # rows stopped at different steps
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_of_logit_pieces_equal_the_joined_logits_bit_for_bit(temperature):
+    """The shared-prompt passes hand `gather_logprobs` their logits in two pieces along the columns
+    (the prompt's last position, then the rest) instead of one joined copy: the same log-probs and
+    the same gradient to each piece, bit for bit; pieces that do not cover the columns are refused."""
+    from pipeline.model.logprobs import gather_logprobs
+
+    g = gen(12)
+    N, T, start, V = 6, 9, 4, 30
+    ids = torch.randint(0, V, (N, T), generator=g)
+    mask = torch.ones(N, T, dtype=torch.long)
+    mask[0, 7:] = 0  # a short response: pads
+    pieces = [(torch.randn(N, 1, V, generator=g) * 3).requires_grad_(),
+              (torch.randn(N, T - 1 - start, V, generator=g) * 3).requires_grad_()]
+    refs = [p.detach().clone().requires_grad_() for p in pieces]
+    got = gather_logprobs(pieces, ids, mask, temperature, start)
+    want = gather_logprobs(torch.cat(refs, dim=1), ids, mask, temperature, start)
+    assert got.shape == (N, T) and torch.equal(got, want)
+    upstream = torch.randn(N, T, generator=g)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(pieces, refs))
+    with pytest.raises(ValueError, match="cover 1 columns, not 5"):
+        gather_logprobs(pieces[:1], ids, mask, temperature, start)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_token_logprobs_equal_one_fp32_pass(dtype):
     """Log-probs and gradients taken over row chunks of the logits (each cast to fp32 only while

@@ -194,9 +194,7 @@ class FusedGPTStep(FusedLlamaStep):
         self.rebind_gpt(cache)
         self.cos = self.sin = None
         if self.wpe is None:
-            half = self.D // 2
-            self.cos = model.rope_cos
-            self.sin = torch.cat([-model.rope_sin[:, :half], model.rope_sin[:, half:]], dim=-1)
+            self.cos, self.sin = model.rope_cos, model.rope_sin_signed
 
     def rebind_gpt(self, cache) -> None:
         """Read the prompts' keys, their bias and the key mask from `cache` (again after a cut)."""

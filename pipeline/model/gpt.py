@@ -121,8 +121,9 @@ class PromptKV:
 
     Pass it as ``prompt_kv=`` to a forward of the B distinct prompts (each layer's keys/values
     are recorded), set ``attending = True``, then to a forward of the N = B*group rows' next
-    columns: each row attends to its prompt's keys (repeated per row; the gradient sums over the
-    group) and causally to its own columns, as one full forward would.
+    columns: each row attends to its prompt's keys (an expanded view joined to the row's own, not a
+    repeated copy; the gradient sums over the group) and causally to its own columns, as one full
+    forward would.
     """
 
     def __init__(self, prompt_mask: torch.Tensor, group: int) -> None:
@@ -135,9 +136,15 @@ class PromptKV:
         if not self.attending:
             self.kv.append((k, v))
             return k, v
-        kp, vp = self.kv[layer]
-        return (torch.cat([kp.repeat_interleave(self.group, dim=0), k], dim=2),
-                torch.cat([vp.repeat_interleave(self.group, dim=0), v], dim=2))
+        kp, vp = self.kv[layer]  # (B, H, Tp, D), read by the group's rows without a repeated copy
+        return self._per_row(kp, k), self._per_row(vp, v)
+
+    def _per_row(self, prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """(N, H, Tp + T, D): each row's prompt keys (its group's, an expanded view) then its own."""
+        B, H, Tp, D = prompt.shape
+        G, T = self.group, own.shape[2]
+        rows = own.view(B, G, H, T, D)
+        return torch.cat([prompt[:, None].expand(B, G, H, Tp, D), rows], dim=3).view(B * G, H, Tp + T, D)
 
     def mask(self, attention_mask: torch.Tensor | None, T: int, N: int, device) -> torch.Tensor:
         """(N, 1, T, Tp + T) bool: every real prompt key, causal own keys, each query sees itself."""
@@ -149,34 +156,39 @@ class PromptKV:
         return torch.cat([prompt.expand(N, 1, T, prompt.shape[-1]), resp], dim=-1)
 
 
-def shared_prompt_logits(model: GPT, input_ids, attention_mask, position_ids, start: int, group: int):
-    """Logits at positions ``start-1 .. T-2`` (N, T-start, V) of group-contiguous rows whose first
-    `start` columns agree within each group: the prompt runs once per group (:class:`PromptKV`)."""
+def shared_prompt_logits(model: GPT, input_ids, attention_mask, position_ids, start: int,
+                         group: int) -> list[torch.Tensor]:
+    """Logits at positions ``start-1 .. T-2`` of group-contiguous rows whose first `start` columns
+    agree within each group: the prompt runs once per group (:class:`PromptKV`). Two pieces along
+    the columns, not joined: (N, 1, V) at the prompt's last position, (N, T-1-start, V) after it
+    (``pipeline.model.logprobs.gather_logprobs`` takes them as they are)."""
     T = input_ids.shape[1]
     kv = PromptKV(attention_mask[::group, :start], group)
     first = model(input_ids[::group, :start], attention_mask[::group, :start], position_ids[::group, :start],
                   last_only=True, prompt_kv=kv).repeat_interleave(group, dim=0)  # (N, 1, V)
     if T - 1 == start:
-        return first
+        return [first]
     kv.attending = True
     rest = model(input_ids[:, start:T - 1], attention_mask[:, start:T - 1], position_ids[:, start:T - 1],
                  prompt_kv=kv)  # (N, T-1-start, V)
-    return torch.cat([first, rest], dim=1)
+    return [first, rest]
 
 
 def _rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (block_size, head_dim) in HF Llama's rotate-half layout."""
+    """cos and signed sin tables (block_size, head_dim) in HF Llama's rotate-half layout: the sin
+    table's first half negated (see :func:`apply_rope`)."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
     freqs = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv_freq)  # (S, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (S, D)
-    return emb.cos(), emb.sin()
+    sin = freqs.sin()
+    return torch.cat([freqs, freqs], dim=-1).cos(), torch.cat([-sin, sin], dim=-1)  # (S, D) each
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) by per-token angles; cos/sin are (B, 1, T, D)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by per-token angles: ``x * cos + rotate_half(x) * sin``, rotate_half(x) =
+    [-x2, x1], computed as [x2, x1] times the signed sin [-sin, sin] (the same products bit for bit,
+    one negation fewer each way); cos/sin_signed are (B, 1, T, D)."""
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    return (x * cos + torch.cat([x2, x1], dim=-1) * sin_signed).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -273,7 +285,7 @@ class GPT(nn.Module):
         if cfg.positions == "rope":
             cos, sin = _rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, D)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.register_buffer("rope_sin_signed", sin, persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # scaled init of residual projections (GPT-2)
             if name.endswith("c_proj.weight"):
@@ -334,7 +346,7 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(position_ids)
         else:
-            rope = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])  # (B, 1, T, D)
+            rope = (self.rope_cos[position_ids][:, None], self.rope_sin_signed[position_ids][:, None])  # (B, 1, T, D)
         x = self.drop(x)
         if prompt_kv is not None and prompt_kv.attending:
             attn_mask = prompt_kv.mask(attention_mask, T, B, idx.device)

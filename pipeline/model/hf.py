@@ -127,9 +127,11 @@ def _cache_kwarg(model: nn.Module) -> str:
 
 
 def hf_shared_prefix_logits(model: nn.Module, input_ids, attention_mask, position_ids, start: int,
-                            group: int) -> torch.Tensor:
-    """Logits at positions ``start-1 .. T-2`` (N, T-start, V) of group-contiguous rows whose first
-    `start` columns (ids and mask) are the same within each group of `group` rows.
+                            group: int) -> list[torch.Tensor]:
+    """Logits at positions ``start-1 .. T-2`` of group-contiguous rows whose first `start` columns
+    (ids and mask) are the same within each group of `group` rows, as two pieces along the columns
+    (the prompt's last position (N, 1, V), then the rest), like
+    :func:`pipeline.model.gpt.shared_prompt_logits`.
 
     The shared prompt runs ONCE per group (B = N / group rows) with a ``DynamicCache``; the cache
     is repeated per row and the response columns run on top of it. Same function of the inputs as
@@ -145,11 +147,11 @@ def hf_shared_prefix_logits(model: nn.Module, input_ids, attention_mask, positio
                 position_ids=position_ids[::group, :start], use_cache=True, logits_to_keep=1, **{key: cache})
     first = out.logits[:, -1:].repeat_interleave(group, dim=0)  # (N, 1, V): position start-1
     if T - 1 == start:
-        return first
+        return [first]
     cache.batch_repeat_interleave(group)
     out = model(input_ids=input_ids[:, start:T - 1], attention_mask=attention_mask[:, :T - 1],
                 position_ids=position_ids[:, start:T - 1], use_cache=True, **{key: cache})
-    return torch.cat([first, out.logits], dim=1)  # (N, T-start, V)
+    return [first, out.logits]  # (N, 1, V), (N, T-1-start, V)
 
 
 _SHARED_PREFIX_ATTN = "grpo_shared_prefix_decode"

@@ -55,11 +55,16 @@ class _TokenLogProb(torch.autograd.Function):
         t = ctx.temperature
         flat, tgt, g = logits.reshape(-1, logits.shape[-1]), target.reshape(-1, 1), grad.reshape(-1, 1).to(lse.dtype)
         out = torch.empty_like(flat)
+        in_place = out.dtype == lse.dtype  # fp32 logits: each chunk's gradient made in `out` itself
         for sl in _chunks(flat.shape[0], flat.shape[1], ctx.chunk_elements):
             x = flat[sl].to(lse.dtype) / t if t != 1.0 else flat[sl].to(lse.dtype)
-            d = (x - lse[sl, None]).exp_().mul_(-g[sl])  # -g * softmax
+            d = torch.sub(x, lse[sl, None], out=out[sl]) if in_place else x - lse[sl, None]
+            d.exp_().mul_(-g[sl])  # -g * softmax
             d.scatter_add_(-1, tgt[sl], g[sl])  # + g at the target
-            out[sl] = d / t if t != 1.0 else d
+            if not in_place:
+                out[sl] = d / t if t != 1.0 else d
+            elif t != 1.0:
+                d.div_(t)
         return out.view(logits.shape), None, None, None
 
 
@@ -74,11 +79,23 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: floa
     return _TokenLogProb.apply(logits, target, float(temperature), chunk_elements or CHUNK_ELEMENTS)
 
 
-def gather_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def gather_logprobs(logits, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     temperature: float, start: int) -> torch.Tensor:
-    """(N, T) log-probs of input_ids[:, start:] from the logits at positions start-1 .. T-2
-    (N, T-start, V); columns before `start` and pads are 0."""
+    """(N, T) log-probs of input_ids[:, start:] from the logits at positions start-1 .. T-2:
+    (N, T-start, V), or a sequence of pieces that cover those columns in order (the shared-prompt
+    passes: the prompt's last position, then the response columns; taken piece by piece, so the
+    pieces are never copied into one (N, T-start, V) tensor, nor its gradient split back out);
+    columns before `start` and pads are 0."""
     target = input_ids[:, start:]  # (N, T-start)
-    logp = token_logprobs(logits, target, temperature)  # (N, T-start) fp32
+    if isinstance(logits, torch.Tensor):
+        logp = token_logprobs(logits, target, temperature)  # (N, T-start) fp32
+    else:
+        parts, col = [], 0
+        for piece in logits:
+            parts.append(token_logprobs(piece, target[:, col: col + piece.shape[1]], temperature))
+            col += piece.shape[1]
+        if col != target.shape[1]:
+            raise ValueError(f"logit pieces cover {col} columns, not {target.shape[1]}")
+        logp = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     logp = torch.where(attention_mask[:, start:].bool(), logp, torch.zeros_like(logp))
     return F.pad(logp, (start, 0))  # (N, T)
