@@ -47,20 +47,27 @@ SETTINGS = ("native", *PINS)
 ENV_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
 
 
-def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[set[str], str] | None:
-    """The CPU's feature flags and vendor (Linux), or None where they cannot be read."""
+def cpu_fields(path: Path = Path("/proc/cpuinfo")) -> dict[str, str] | None:
+    """The fields of the first processor listed in /proc/cpuinfo (Linux; every value as written,
+    stripped), or None where the file cannot be read."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return None
-    flags, vendor = None, ""
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags" and flags is None:
-            flags = set(value.split())
-        elif key.strip() == "vendor_id" and not vendor:
-            vendor = value.strip()
-    return None if flags is None else (flags, vendor)
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[set[str], str] | None:
+    """The CPU's feature flags and vendor (Linux), or None where they cannot be read."""
+    fields = cpu_fields(path)
+    if fields is None or "flags" not in fields:
+        return None
+    return set(fields["flags"].split()), fields.get("vendor_id", "")
 
 
 def is_x86_64(machine: str | None = None) -> bool:

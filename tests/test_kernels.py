@@ -70,6 +70,7 @@ def test_flags_and_vendor_are_read_from_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n\n"
                     "processor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n")
     assert kernels.cpuinfo(info) == ({"fpu", "sse2", "avx2", "fma"}, "AuthenticAMD")
+    assert kernels.cpu_fields(info) == {"processor": "0", "vendor_id": "AuthenticAMD", "flags": "fpu sse2 avx2 fma"}
     info.write_text("processor\t: 0\n")
     assert kernels.cpuinfo(info) is None
     assert kernels.cpuinfo(tmp_path / "absent") is None

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
 from pipeline.errors import InputError
+from pipeline.kernels import cpu_fields, cpuinfo, mkl_branch
 
 PARENT_RUN_ENV = "GRPO_PARENT_RUN_ID"
 FLOW_RUN_ENV = "GRPO_PREFECT_FLOW_RUN_ID"
@@ -114,11 +115,8 @@ def run_name(cfg: Config, stage: str | None = None, label: str | None = None) ->
 
 def cpu_model() -> str | None:
     """The CPU's model name from /proc/cpuinfo (Linux), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
+    fields = cpu_fields()
+    return None if fields is None else fields.get("model name")
 
 
 def runtime_tags() -> dict[str, str]:
@@ -149,8 +147,6 @@ def runtime_tags() -> dict[str, str]:
         if os.environ.get(var):
             tags[f"env.{var}"] = os.environ[var]
     if os.environ.get("MKL_CBWR"):  # what MKL takes for it on this CPU (AUTO on a non-Intel one)
-        from pipeline.kernels import cpuinfo, mkl_branch
-
         info = cpuinfo()
         tags["env.mkl_branch"] = mkl_branch(os.environ["MKL_CBWR"], None if info is None else info[1])
     return tags
