@@ -15,6 +15,7 @@ import torch
 from pipeline.config import ConfigError
 from pipeline.errors import InputError
 from pipeline.files import read_rows
+from pipeline.data import sft_batches
 from pipeline.stages import sft
 
 from tests.conftest import GSM8K, REPO, smoke_cfg, weights
@@ -47,7 +48,7 @@ def test_the_budget_is_the_first_n_worked_solutions(workdir, stage):
     in the SFT and in the control alike; 0 means the whole stream."""
     rows = read_rows(Path("data/arith_train.jsonl"))
     run = sft.setup(smoke_cfg("sft.arith_examples=5"), stage)
-    first = {tuple(ids) for ids, _ in sft.encode_examples(run.tok, rows[:5], run.conf.max_len)[0]}
+    first = {tuple(ids) for ids, _ in sft_batches.encode_examples(run.tok, rows[:5], run.conf.max_len)[0]}
     assert len(first) == 5
     assert arith_examples_drawn(run, 20) == first  # 20 batches x 4 arithmetic sequences: 16 epochs
     whole = sft.setup(smoke_cfg(), stage)
@@ -62,15 +63,15 @@ def test_the_level_cap_keeps_only_easy_worked_solutions(workdir):
     assert 0 < len(easy) < len(rows)
     for stage in sft.SFT_STAGES:
         run = sft.setup(smoke_cfg("sft.arith_max_level=1", "sft.arith_examples=3"), stage)
-        want = {tuple(ids) for ids, _ in sft.encode_examples(run.tok, easy[:3], run.conf.max_len)[0]}
+        want = {tuple(ids) for ids, _ in sft_batches.encode_examples(run.tok, easy[:3], run.conf.max_len)[0]}
         assert arith_examples_drawn(run, 10) == want
     cfg = smoke_cfg("sft.arith_max_level=1")
-    assert [r["id"] for r in sft.worked_examples(rows, cfg.sft)] == [r["id"] for r in easy]
+    assert [r["id"] for r in sft_batches.worked_examples(rows, cfg.sft)] == [r["id"] for r in easy]
     # a scarce budget of hard ones: the first 2 rows above the cap join, in stream order
     hard = [r["id"] for r in rows if r["level"] > 1][:2]
-    kept = sft.worked_examples(rows, smoke_cfg("sft.arith_max_level=1", "sft.arith_hard_examples=2").sft)
+    kept = sft_batches.worked_examples(rows, smoke_cfg("sft.arith_max_level=1", "sft.arith_hard_examples=2").sft)
     assert [r["id"] for r in kept] == [r["id"] for r in rows if r["level"] <= 1 or r["id"] in hard]
-    assert sft.worked_examples(rows, smoke_cfg("sft.arith_hard_examples=2").sft) == rows  # no cap: all
+    assert sft_batches.worked_examples(rows, smoke_cfg("sft.arith_hard_examples=2").sft) == rows  # no cap: all
     with pytest.raises(ConfigError, match=r"sft.arith_max_level.*\[0, data.arith_max_level\]"):
         smoke_cfg(f"sft.arith_max_level={cfg.data.arith_max_level + 1}")
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from pipeline.config_loading import load_config
 from pipeline.errors import InputError
+from pipeline.data import sft_batches
 from pipeline.stages import sft
 from pipeline.training import build_optimizer, lr_at, param_groups
 
@@ -66,7 +67,7 @@ def test_param_groups_decay_only_matrices(gpt_policy):
 # --------------------------------------------------------------------------- batching and the loss
 
 def test_collate_masks_exactly_the_response():
-    ids, attn, target = sft.collate([([5, 6, 7, 8, 1], 3), ([5, 9, 1], 1)], pad_id=0, device=torch.device("cpu"))
+    ids, attn, target = sft_batches.collate([([5, 6, 7, 8, 1], 3), ([5, 9, 1], 1)], pad_id=0, device=torch.device("cpu"))
     assert ids.tolist() == [[5, 6, 7, 8, 1], [5, 9, 1, 0, 0]]
     assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     assert target.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 0, 0]]
@@ -79,7 +80,7 @@ def test_response_nll_ignores_prompt_and_padding(gpt_policy):
     b = (torch.randint(4, V, (4,)).tolist(), 2)
     gpt_policy.eval()
     torch.set_grad_enabled(False)
-    nll, n = sft.response_nll(gpt_policy, *sft.collate([a, b], 0, gpt_policy.device))
+    nll, n = sft.response_nll(gpt_policy, *sft_batches.collate([a, b], 0, gpt_policy.device))
     assert n == (9 - 5) + (4 - 2)
     expected = 0.0
     for seq, n_prompt in (a, b):  # reference: one unpadded sequence at a time
@@ -104,7 +105,7 @@ def _loss_and_grads(policy, chunks: list[list[sft.Example]], plain: bool) -> tup
     total = 0.0
     for chunk in chunks:
         with fastpaths.plain() if plain else contextlib.nullcontext():
-            nll, _ = sft.response_nll(policy, *sft.collate(chunk, 0, policy.device))
+            nll, _ = sft.response_nll(policy, *sft_batches.collate(chunk, 0, policy.device))
         nll.backward()
         total += float(nll.detach())
     return total, [p.grad.clone() for p in policy.module.parameters()]
@@ -114,13 +115,13 @@ def test_shared_columns_stop_at_the_first_difference_pad_or_response():
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 3, 0], [5, 6, 7, 8, 0]])
     attn = (ids != 0).long()
     none = torch.zeros_like(ids)
-    assert sft.shared_columns(ids, attn, none) == 3  # column 3 differs (8 vs 3)
+    assert sft_batches.shared_columns(ids, attn, none) == 3  # column 3 differs (8 vs 3)
     target = none.clone()
     target[0, 2] = 1  # a response token in column 2 of one row: the shared run stops before it
-    assert sft.shared_columns(ids, attn, target) == 2
-    assert sft.shared_columns(ids[:1], attn[:1], none[:1]) == 0  # one row shares with nobody
+    assert sft_batches.shared_columns(ids, attn, target) == 2
+    assert sft_batches.shared_columns(ids[:1], attn[:1], none[:1]) == 0  # one row shares with nobody
     ids[1, 0] = 4
-    assert sft.shared_columns(ids, attn, none) == 0
+    assert sft_batches.shared_columns(ids, attn, none) == 0
 
 
 @pytest.mark.parametrize("lengths", [
@@ -149,7 +150,7 @@ def test_length_chunks_is_the_cheapest_cut_and_keeps_every_example():
         lengths = torch.randint(1, 40, (n,), generator=rng).tolist()
         examples = [([1] * k, 0) for k in lengths]
         cost = int(torch.randint(0, 30, (1,), generator=rng))
-        runs = sft.length_chunks(examples, cost)
+        runs = sft_batches.length_chunks(examples, cost)
         assert sorted(len(e[0]) for r in runs for e in r) == sorted(lengths)  # a partition
         got = sum(len(r) * max(len(e[0]) for e in r) + cost for r in runs)
         ordered = sorted(lengths)
@@ -157,14 +158,14 @@ def test_length_chunks_is_the_cheapest_cut_and_keeps_every_example():
             sum((b - a) * ordered[b - 1] + cost for a, b in zip((0, *cuts), (*cuts, n)))
             for k in range(n) for cuts in itertools.combinations(range(1, n), k))
         assert got == best, (lengths, cost)
-    assert sft.length_chunks([([1] * 5, 0), ([1] * 60, 0)], cost=10) == [[([1] * 5, 0)], [([1] * 60, 0)]]
-    assert len(sft.length_chunks([([1] * 5, 0), ([1] * 6, 0)], cost=10)) == 1  # not worth a second pass
+    assert sft_batches.length_chunks([([1] * 5, 0), ([1] * 60, 0)], cost=10) == [[([1] * 5, 0)], [([1] * 60, 0)]]
+    assert len(sft_batches.length_chunks([([1] * 5, 0), ([1] * 6, 0)], cost=10)) == 1  # not worth a second pass
 
 
 def test_a_batch_cut_by_length_has_the_gradient_of_the_whole_batch(gpt_policy):
     gpt_policy.train()
     batch = _batch(gpt_policy.tokenizer.vocab_size, 4, [(6, 4), (30, 9), (7, 5), (28, 6), (8, 4)], seed=1)
-    runs = sft.length_chunks(batch, cost=2)
+    runs = sft_batches.length_chunks(batch, cost=2)
     assert len(runs) == 2
     whole, g_whole = _loss_and_grads(gpt_policy, [batch], plain=True)
     cut, g_cut = _loss_and_grads(gpt_policy, runs, plain=False)
@@ -176,17 +177,17 @@ def test_a_batch_cut_by_length_has_the_gradient_of_the_whole_batch(gpt_policy):
 def test_mixed_batches_ratio_epochs_and_seed():
     arith = [([i], 0) for i in range(10)]
     gsm = [([100 + i], 0) for i in range(3)]
-    mb = sft.MixedBatches(arith, gsm, batch_size=8, arith_fraction=0.75, seed=1)
+    mb = sft_batches.MixedBatches(arith, gsm, batch_size=8, arith_fraction=0.75, seed=1)
     batches = [mb.next() for _ in range(5)]
     assert all(len(parts[0]) == 6 and len(parts[1]) == 2 for parts in batches)
     firsts = [e[0][0] for parts in batches for e in parts[0]]
     assert sorted(firsts[:10]) == list(range(10))  # one full epoch before any repeat
-    again = sft.MixedBatches(arith, gsm, batch_size=8, arith_fraction=0.75, seed=1)
+    again = sft_batches.MixedBatches(arith, gsm, batch_size=8, arith_fraction=0.75, seed=1)
     assert [again.next() for _ in range(5)] == batches
-    assert sft.MixedBatches(arith, [], 4, 0.5, 0).next() == [sft.MixedBatches(arith, [], 4, 0.5, 0).next()[0]]
-    assert len(sft.MixedBatches(arith, [], 4, 0.5, 0).next()[0]) == 4  # one source: it fills the batch
+    assert sft_batches.MixedBatches(arith, [], 4, 0.5, 0).next() == [sft_batches.MixedBatches(arith, [], 4, 0.5, 0).next()[0]]
+    assert len(sft_batches.MixedBatches(arith, [], 4, 0.5, 0).next()[0]) == 4  # one source: it fills the batch
     with pytest.raises(InputError, match="no training sequences"):
-        sft.MixedBatches([], [], 4, 0.5, 0)
+        sft_batches.MixedBatches([], [], 4, 0.5, 0)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -355,12 +356,12 @@ def test_rank_shares_partition_the_batch_with_balanced_tokens(parts, world):
     """The ranks' shares are disjoint and together the whole batch (every source's part), and their
     token counts differ by at most the longest example (longest-first to the least-loaded rank)."""
     batch = [[([7] * n, 0) for n in lengths] for lengths in parts]
-    shares = [sft.rank_share(batch, r, world) for r in range(world)]
+    shares = [sft_batches.rank_share(batch, r, world) for r in range(world)]
     assert sorted(id(e) for s in shares for e in s) == sorted(id(e) for part in batch for e in part)
     totals = [sum(len(ids) for ids, _ in s) for s in shares]
     longest = max((n for lengths in parts for n in lengths), default=0)
     assert max(totals) - min(totals) <= longest
-    assert sft.rank_share([[([1] * 9, 0), ([1] * 5, 0)], [([1] * 4, 0)]], 1, 2) == [([1] * 5, 0), ([1] * 4, 0)]
+    assert sft_batches.rank_share([[([1] * 9, 0), ([1] * 5, 0)], [([1] * 4, 0)]], 1, 2) == [([1] * 5, 0), ([1] * 4, 0)]
 
 
 def _sft_cli(cwd: Path, *overrides: str, steps: int = 12):
