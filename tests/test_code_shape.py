@@ -19,7 +19,7 @@ LAYERS = [
     ["config_loading", "config_render", "kernels", "lock", "rewards.verifiers", "tokenizer", "grpo", "summary",
      "model.logprobs", "model.lora", "model.fused_decode"],
     ["data.schema", "data.prompts", "model.gpt", "model.hf", "training", "tracking.common"],
-    ["files", "data.arithmetic", "data.sft_batches", "model.policy", "tracking.mlflow_client"],
+    ["files", "data.arithmetic", "sft_batches", "model.policy", "tracking.mlflow_client"],
     ["data.gsm8k", "evaluation", "rollout", "checkpoint_manifest", "tracking.mlflow_logger", "cli"],
     ["checkpoint", "tracking.mlflow_models"],
     ["checkpoint_state", "tracking.mlflow_backend"],

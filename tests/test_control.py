@@ -15,7 +15,7 @@ import torch
 from pipeline.config import ConfigError
 from pipeline.errors import InputError
 from pipeline.files import read_rows
-from pipeline.data import sft_batches
+from pipeline import sft_batches
 from pipeline.stages import sft
 
 from tests.conftest import GSM8K, REPO, smoke_cfg, weights

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pipeline.config_loading import load_config
 from pipeline.errors import InputError
-from pipeline.data import sft_batches
+from pipeline import sft_batches
 from pipeline.stages import sft
 from pipeline.training import build_optimizer, lr_at, param_groups
 

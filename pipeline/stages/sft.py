@@ -56,7 +56,7 @@ from pipeline import distributed as dist_utils
 from pipeline.checkpoint import check_architecture, init_policy, load_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
 from pipeline.data.prompts import response_text
-from pipeline.data.sft_batches import (Example, MixedBatches, collate, encode_examples, length_chunks, rank_share,
+from pipeline.sft_batches import (Example, MixedBatches, collate, encode_examples, length_chunks, rank_share,
                                       shared_columns, worked_examples)
 from pipeline.errors import InputError
 from pipeline.files import read_rows, write_series_csv
