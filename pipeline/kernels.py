@@ -48,8 +48,8 @@ ENV_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
 
 
 def cpu_fields(path: Path = Path("/proc/cpuinfo")) -> dict[str, str] | None:
-    """The fields of the first processor listed in /proc/cpuinfo (Linux; every value as written,
-    stripped), or None where the file cannot be read."""
+    """The fields of /proc/cpuinfo (Linux), each key's first value in the file (the first
+    processor's, stripped), or None where the file cannot be read."""
     try:
         text = path.read_text(errors="replace")
     except OSError:

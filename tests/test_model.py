@@ -224,7 +224,6 @@ def test_gpt_config_takes_its_shape_from_the_model_config():
         3, 48, 3, "learned", 96, 300)
 
 
-
 def test_rope_with_the_signed_sin_is_rotate_half_bit_for_bit():
     """`apply_rope` multiplies [x2, x1] by the signed sin table instead of negating x2: the same
     values and gradients as HF Llama's ``x * cos + rotate_half(x) * sin``, bit for bit."""

@@ -121,9 +121,9 @@ class PromptKV:
 
     Pass it as ``prompt_kv=`` to a forward of the B distinct prompts (each layer's keys/values
     are recorded), set ``attending = True``, then to a forward of the N = B*group rows' next
-    columns: each row attends to its prompt's keys (an expanded view joined to the row's own, not a
-    repeated copy; the gradient sums over the group) and causally to its own columns, as one full
-    forward would.
+    columns: each row attends to its prompt's keys (written from an expanded view straight into the
+    row's joined keys, with no separate repeated copy; the gradient sums over the group) and causally
+    to its own columns, as one full forward would.
     """
 
     def __init__(self, prompt_mask: torch.Tensor, group: int) -> None:

@@ -13,6 +13,8 @@ logits, and autograd kept it for backward (plus a same-sized gradient buffer).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -79,23 +81,22 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: floa
     return _TokenLogProb.apply(logits, target, float(temperature), chunk_elements or CHUNK_ELEMENTS)
 
 
-def gather_logprobs(logits, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    temperature: float, start: int) -> torch.Tensor:
+def gather_logprobs(logits: torch.Tensor | Sequence[torch.Tensor], input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor, temperature: float, start: int) -> torch.Tensor:
     """(N, T) log-probs of input_ids[:, start:] from the logits at positions start-1 .. T-2:
     (N, T-start, V), or a sequence of pieces that cover those columns in order (the shared-prompt
     passes: the prompt's last position, then the response columns; taken piece by piece, so the
-    pieces are never copied into one (N, T-start, V) tensor, nor its gradient split back out);
-    columns before `start` and pads are 0."""
+    pieces are never copied into one (N, T-start, V) tensor, nor its gradient split back out; on CPU
+    the same bits as the joined tensor); columns before `start` and pads are 0."""
     target = input_ids[:, start:]  # (N, T-start)
     if isinstance(logits, torch.Tensor):
         logp = token_logprobs(logits, target, temperature)  # (N, T-start) fp32
     else:
-        parts, col = [], 0
-        for piece in logits:
-            parts.append(token_logprobs(piece, target[:, col: col + piece.shape[1]], temperature))
-            col += piece.shape[1]
-        if col != target.shape[1]:
-            raise ValueError(f"logit pieces cover {col} columns, not {target.shape[1]}")
+        widths = [piece.shape[1] for piece in logits]
+        if sum(widths) != target.shape[1]:
+            raise ValueError(f"logit pieces cover {sum(widths)} columns, not {target.shape[1]}")
+        parts = [token_logprobs(piece, cols, temperature)
+                 for piece, cols in zip(logits, target.split(widths, dim=1))]
         logp = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     logp = torch.where(attention_mask[:, start:].bool(), logp, torch.zeros_like(logp))
     return F.pad(logp, (start, 0))  # (N, T)

@@ -136,9 +136,10 @@ class Policy:
         log-softmax of earlier columns are skipped, most of the (N, T, V) work when prompts are
         longer than responses. `group_size`: rows come in groups of that many whose first `start`
         columns agree (a rollout's layout; checked, other batches take the plain path); on the fast
-        path each group's prompt then runs once and its responses on its keys/values, repeated per
-        row (same values and gradients; DDP and torch.compile take the plain path).
-        Memory: the fp32 logits of the wanted columns, (N, T - start, V), and no log-softmax of them.
+        path each group's prompt then runs once and its responses on its keys/values, which every
+        row of the group reads (same values and gradients; DDP and torch.compile take the plain path).
+        Memory: the logits of the wanted columns in the model's dtype, (N, T - start, V) (two pieces on
+        the fast path, never joined), and no log-softmax of them.
         """
         T = input_ids.shape[1]
         start = max(1, min(start, T))
