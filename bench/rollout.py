@@ -112,16 +112,18 @@ def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tok
     saving (bench/tests/test_rollout_floor.py checks the FLOPs equal our engine's)."""
     from pipeline.model.fused_decode import _Layer, _Linear  # the fused step's own fused, packed weights
 
-    def linears(n: int):  # every weight of the model, packed for n-row calls as the fused step packs it
-        layers = [_Layer(layer, n) for layer in llama.model.layers]
-        fns = [f for L in layers for f in (L.qkv, L.o, L.gate_up, L.down)]
-        head = _Linear(llama.lm_head.weight, llama.lm_head.bias, n)
-        xs = {f.weight.shape[1]: torch.randn(n, f.weight.shape[1]) for f in [*fns, head]}
-        return (lambda: [f(xs[f.weight.shape[1]]) for f in fns]), (lambda: head(xs[head.weight.shape[1]]))
+    def layer_linears(n: int):  # every layer's weights, packed for n-row calls as the fused step packs them
+        fns = [f for layer in llama.model.layers for L in [_Layer(layer, n)] for f in (L.qkv, L.o, L.gate_up, L.down)]
+        xs = {f.weight.shape[1]: torch.randn(n, f.weight.shape[1]) for f in fns}
+        return lambda: [f(xs[f.weight.shape[1]]) for f in fns]
 
-    prefill, _ = linears(prompts * prompt_len)
-    _, prefill_head = linears(prompts)
-    step_layers, step_head = linears(rows)
+    def head_linear(n: int):
+        head = _Linear(llama.lm_head.weight, llama.lm_head.bias, n)
+        x = torch.randn(n, head.weight.shape[1])
+        return lambda: head(x)
+
+    prefill, prefill_head = layer_linears(prompts * prompt_len), head_linear(prompts)
+    step_layers, step_head = layer_linears(rows), head_linear(rows)
 
     def step():
         step_layers()
