@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline import sft_batches
 from pipeline.config import ConfigError
 from pipeline.errors import InputError
 from pipeline.files import read_rows
-from pipeline import sft_batches
 from pipeline.stages import sft
 
 from tests.conftest import GSM8K, REPO, smoke_cfg, weights

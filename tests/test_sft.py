@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline import sft_batches
 from pipeline.config_loading import load_config
 from pipeline.errors import InputError
-from pipeline import sft_batches
 from pipeline.stages import sft
 from pipeline.training import build_optimizer, lr_at, param_groups
 

@@ -56,8 +56,6 @@ from pipeline import distributed as dist_utils
 from pipeline.checkpoint import check_architecture, init_policy, load_policy, save_policy
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
 from pipeline.data.prompts import response_text
-from pipeline.sft_batches import (Example, MixedBatches, collate, encode_examples, length_chunks, rank_share,
-                                      shared_columns, worked_examples)
 from pipeline.errors import InputError
 from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_correct
@@ -66,6 +64,8 @@ from pipeline.model.lora import add_lora
 from pipeline.model.policy import Policy, build_policy
 from pipeline.progress import progress_bar
 from pipeline.resume import load_resume, resume_key, save_resume
+from pipeline.sft_batches import (Example, MixedBatches, collate, encode_examples, length_chunks, rank_share,
+                                  shared_columns, worked_examples)
 from pipeline.tokenizer import load_tokenizer
 from pipeline.tracking import Logger, stage_logger
 from pipeline.training import build_optimizer, count_nonfinite, lr_at, seed_everything, set_lr, step_if_finite
