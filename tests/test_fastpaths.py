@@ -65,3 +65,60 @@ def test_the_switch_turns_the_decoders_plain(gpt_policy, hf_dirs):
             assert (dec.cache.prefix is None) == plain  # plain: every row holds its own copy of the prompt keys
             assert HFDecoder(hf.module, 16).shared != plain
     assert fastpaths.enabled()
+
+
+def _tiny_gpt2(activation: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=3, n_head=2, activation_function=activation,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def test_the_tanh_gelu_formula_is_one_op_of_the_same_function():
+    import copy
+    import math
+
+    from pipeline.model.hf import _TanhGELU, fuse_activations
+
+    # the function itself, against the formula in float64, over ordinary and extreme inputs
+    x = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([-1e4, -1e2, -30.0, 0.0, 30.0, 1e2, 1e4])])
+    x64 = x.double()
+    want = 0.5 * x64 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
+    torch.testing.assert_close(torch.nn.functional.gelu(x, approximate="tanh").double(), want, atol=2e-7, rtol=2e-6)
+
+    for activation, swaps in (("gelu_new", 3), ("gelu_fast", 3), ("gelu", 0), ("relu", 0)):
+        model = _tiny_gpt2(activation)
+        original = copy.deepcopy(model)
+        keys = list(model.state_dict())
+        assert fuse_activations(model) == swaps
+        assert fuse_activations(model) == 0  # applying it twice swaps none
+        assert sum(isinstance(m, _TanhGELU) for m in model.modules()) == swaps
+        assert list(model.state_dict()) == keys and model.config.activation_function == activation
+        ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
+        outs = []
+        for m in (model, original):
+            m.zero_grad()
+            logits = m(input_ids=ids).logits
+            logits.square().mean().backward()
+            outs.append((logits.detach(), [p.grad.clone() for p in m.parameters()]))
+        torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+        for a, b in zip(outs[0][1], outs[1][1]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        with fastpaths.plain(), torch.no_grad():  # the switch runs the formula it replaced: the same bits
+            assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
+        if swaps:
+            with torch.no_grad():  # fast: one op, not the formula's bits
+                assert not torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+def test_an_hf_policy_runs_gpt2_gelu_as_one_op(hf_dirs):
+    from pipeline.model.hf import _TanhGELU
+    from pipeline.model.policy import build_policy
+    from tests.conftest import tiny_model_config
+
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["gpt2"]))
+    assert sum(isinstance(m, _TanhGELU) for m in policy.module.modules()) == policy.module.config.n_layer
+    copy = policy.frozen_copy()  # the reference policy keeps the swap
+    assert sum(isinstance(m, _TanhGELU) for m in copy.module.modules()) == policy.module.config.n_layer

@@ -20,6 +20,8 @@ path everywhere, so one equivalence test can run the same work both ways
 - GRPO's old log-probs with several optimizer steps per rollout batch: the rollout's recorded ones in
   fp32 instead of another forward pass (``pipeline.stages.grpo.reuses_sampled_logprobs``);
 - log p(target): a fused backward instead of autograd's graph of log-softmax and gather.
+- transformers models with a tanh-approximate GELU written as a Python formula (GPT-2's ``gelu_new``,
+  ``gelu_fast``): one ``F.gelu(approximate="tanh")`` op, forward and backward (``pipeline.model.hf``).
 """
 
 from __future__ import annotations

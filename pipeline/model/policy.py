@@ -77,9 +77,10 @@ class Policy:
         if self.backend == "gpt":
             self._ops = GPTOps
         else:
-            from pipeline.model.hf import HFOps
+            from pipeline.model.hf import HFOps, fuse_activations
 
             self._ops = HFOps
+            fuse_activations(self.module)  # GPT-2's GELU as one op (a fast path: the formula under plain())
         if model_cfg.gradient_checkpointing:
             self.enable_recompute()
 
