@@ -19,11 +19,15 @@ wall time between consecutive ``on_step_end`` calls minus our iteration, i.e. ev
 per step. The first step of each is a warm-up and dropped. The speed-up is paired: TRL's step i
 over our iteration i (run right after it), median (min, max) over the repeats.
 
+``--ab-formula-gelu``: an extra arm after ours, the same iteration with GPT-2's GELU as transformers'
+six-op formula instead of one op (``fused_gelu_speedup``: formula / one op, paired).
+
 ``--grid``: the same in one fresh process per cell over short / long prompts (20 / 128 tokens),
 32 / 128-token completions and G 8 / 16 (other flags passed through), a table of the paired ratios.
 
     make bench-venv && .venv-bench/bin/python bench/vs_trl.py [--repeats 3] [--prompt-len 56] [--new-tokens 32]
-        [--group 8] [--prompts 8] [--layers 4] [--width 256] [--beta 0.04] [--ab-shared-prefix] [--grid]
+        [--group 8] [--prompts 8] [--layers 4] [--width 256] [--beta 0.04] [--ab-shared-prefix]
+        [--ab-formula-gelu] [--grid]
 
 The last line printed is a JSON object with ``trl_s``, ``ours_s`` and ``speedup`` (min/median/max of
 the paired trl / ours ratios); with ``--grid``, ``cells`` holds one such object per cell.
@@ -118,6 +122,8 @@ def parse_args(argv=None):
     ap.add_argument("--beta", type=float, default=0.04, help="KL coefficient (0: no reference forward on either side)")
     ap.add_argument("--ab-shared-prefix", action="store_true",
                     help="also time our iteration with the shared-prompt log-prob path off (an extra arm after ours)")
+    ap.add_argument("--ab-formula-gelu", action="store_true",
+                    help="also time our iteration with GPT-2's GELU as transformers' formula, not one op (an extra arm)")
     ap.add_argument("--grid", action="store_true", help="every cell of the grid, one fresh process each")
     return ap.parse_args(argv)
 
@@ -150,6 +156,7 @@ def main() -> None:
     import transformers
     import trl
 
+    from pipeline.model.hf import _TanhGELU
     from pipeline.model.policy import Policy
 
     with workdir() as tmp:
@@ -160,6 +167,7 @@ def main() -> None:
         ours = ours_trainer(model_dir, data, args)
         ours_times: list[float] = []
         plain_times: list[float] = []
+        formula_times: list[float] = []
         trl_marks: list[float] = []
 
         def after_trl_step():
@@ -173,13 +181,19 @@ def main() -> None:
                 ours.iteration()
                 plain_times.append(time.perf_counter() - t0)
                 Policy._shares_prompt = shared
+            if args.ab_formula_gelu:  # the same iteration with GPT-2's GELU as transformers' six-op formula
+                fused, _TanhGELU.forward = _TanhGELU.forward, lambda self, x: self.plain(x)
+                t0 = time.perf_counter()
+                ours.iteration()
+                formula_times.append(time.perf_counter() - t0)
+                _TanhGELU.forward = fused
             trl_marks.append(time.perf_counter())  # TRL's next step starts now
 
         t_start = time.perf_counter()
         trl_trainer(tmp, model_dir, data, args, after_trl_step).train()
         starts = [t_start] + trl_marks[1::2][:-1]
         trl_times = [end - start for start, end in zip(starts, trl_marks[0::2])]
-    report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, trl.__version__,
+    report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, formula_times, trl.__version__,
            transformers.__version__)
 
 
@@ -215,7 +229,8 @@ def trl_trainer(tmp: Path, model_dir: Path, data: list[dict], args, after_step):
     return trainer
 
 
-def report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, trl_version, tf_version) -> None:
+def report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, formula_times, trl_version,
+           tf_version) -> None:
     timed = {"trl": trl_times[1:], "ours": ours_times[1:]}  # step i of TRL, then iteration i of ours
     speedup = pair_ratios(timed, "trl", "ours")
     trl_s, ours_s = median(timed["trl"]), median(timed["ours"])
@@ -236,6 +251,13 @@ def report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, tr
               f"{fmt_ratios(shared)}")
         extra = {"ours_plain_s": round(median(timed["plain"]), 4), "shared_prefix_speedup": shared,
                  "ours_plain_times": [round(t, 4) for t in plain_times]}
+    if formula_times:
+        timed["formula"] = formula_times[1:]
+        gelu = pair_ratios(timed, "formula", "ours")
+        print(f"  ours, GPT-2's GELU as the formula {median(timed['formula']):7.3f} s/iteration: GELU as one op "
+              f"{fmt_ratios(gelu)}")
+        extra.update({"ours_formula_gelu_s": round(median(timed["formula"]), 4), "fused_gelu_speedup": gelu,
+                      "ours_formula_gelu_times": [round(t, 4) for t in formula_times]})
     emit({"bench": "vs_trl", "trl_version": trl_version, "transformers_version": tf_version,
           "threads": args.threads, "params": n_params, "prompt_len": args.prompt_len,
           "prompt_tokens": round(prompt_tokens, 1), "new_tokens": args.new_tokens, "group": args.group,
