@@ -20,7 +20,7 @@ per step. The first step of each is a warm-up and dropped. The speed-up is paire
 over our iteration i (run right after it), median (min, max) over the repeats.
 
 ``--ab-formula-gelu``: an extra arm after ours, the same iteration with GPT-2's GELU as transformers'
-six-op formula instead of one op (``fused_gelu_speedup``: formula / one op, paired).
+eight-op formula instead of one op (``fused_gelu_speedup``: formula / one op, paired).
 
 ``--grid``: the same in one fresh process per cell over short / long prompts (20 / 128 tokens),
 32 / 128-token completions and G 8 / 16 (other flags passed through), a table of the paired ratios.
@@ -134,11 +134,15 @@ def run_grid(args) -> None:
         flags = ["--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens), "--group", str(group)]
         for name in ("repeats", "threads", "layers", "width", "prompts", "beta"):
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        flags += [f"--{name.replace('_', '-')}" for name in ("ab_shared_prefix", "ab_formula_gelu") if getattr(args, name)]
         out = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True, check=True).stdout
         cell = json.loads(out.strip().splitlines()[-1])
         cells.append(cell)
         print(f"  prompt {cell['prompt_tokens']:5.1f} tok, {new_tokens:3d} new, G {group:2d}: "
-              f"TRL {cell['trl_s']:.3f} s, ours {cell['ours_s']:.3f} s, TRL / ours {fmt_ratios(cell['speedup'])}",
+              f"TRL {cell['trl_s']:.3f} s, ours {cell['ours_s']:.3f} s, TRL / ours {fmt_ratios(cell['speedup'])}"
+              + "".join(f"; {label} {fmt_ratios(cell[key])}" for key, label in
+                        (("shared_prefix_speedup", "shared prompts"), ("fused_gelu_speedup", "GELU as one op"))
+                        if key in cell),
               flush=True)
     medians = [c["speedup"]["median"] for c in cells]
     print(f"grid: paired TRL / ours medians {min(medians):.2f}x - {max(medians):.2f}x over {len(cells)} cells")
@@ -181,7 +185,7 @@ def main() -> None:
                 ours.iteration()
                 plain_times.append(time.perf_counter() - t0)
                 Policy._shares_prompt = shared
-            if args.ab_formula_gelu:  # the same iteration with GPT-2's GELU as transformers' six-op formula
+            if args.ab_formula_gelu:  # the same iteration with GPT-2's GELU as transformers' formula
                 fused, _TanhGELU.forward = _TanhGELU.forward, lambda self, x: self.plain(x)
                 t0 = time.perf_counter()
                 ours.iteration()

@@ -96,11 +96,12 @@ def load_hf(init: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Mo
 class _TanhGELU(nn.Module):
     """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` as ONE ``F.gelu(approximate="tanh")`` op
     (forward and backward) in place of transformers' Python formula of the same function
-    (``gelu_new``: GPT-2 and its family; ``gelu_fast``; ``gelu_accurate`` is another function and
-    stays). That formula dispatches six elementwise ops, each a full-size temporary, and autograd
-    keeps and walks all of them: on CPU about 4x the time of the fused op, forward and backward,
-    at the update's (tokens x 4C) shape. The values differ from the formula's by float rounding
-    only (a few ulp); with the fast paths off (``fastpaths.plain()``) the original module runs."""
+    (``gelu_new``: GPT-2 and its family; ``gelu_fast``, ``gelu_accurate``, ``gelu_python_tanh``).
+    The formula dispatches eight elementwise ops forward (nine for ``gelu_fast``) and about twice
+    that backward, each a full-size temporary that autograd keeps: on CPU 2-5x the time of the one
+    op, more at the update's larger (tokens x 4C) shapes. The two differ by float rounding (an
+    absolute difference of about 2e-7 in fp32); with the fast paths off (``fastpaths.plain()``)
+    the original module runs."""
 
     def __init__(self, plain: nn.Module) -> None:
         super().__init__()
@@ -112,20 +113,29 @@ class _TanhGELU(nn.Module):
         return self.plain(x)
 
 
+def _is_tanh_gelu_formula(module: nn.Module, activations) -> bool:
+    """Whether `module` is one of transformers' Python formulas of the tanh-approximate GELU."""
+    formulas = tuple(getattr(activations, name) for name in
+                     ("NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation") if hasattr(activations, name))
+    if type(module) in formulas:
+        return True
+    python_tanh = getattr(getattr(activations, "GELUTanh", None), "_gelu_tanh_python", None)
+    act = getattr(module, "act", None)  # GELUTanh(use_gelu_tanh_python=True): the formula as a method
+    return python_tanh is not None and getattr(act, "__func__", None) is python_tanh
+
+
 def fuse_activations(model: nn.Module) -> int:
-    """Swap every tanh-approximate GELU module of `model` written as a Python formula for
+    """Swap every module of `model` that computes the tanh-approximate GELU as a Python formula for
     :class:`_TanhGELU`, in place; returns how many were swapped (applying it twice swaps none).
     No parameters change, so state dicts, configs and saved checkpoints are those of the model."""
     from transformers import activations
 
-    formulas = tuple(getattr(activations, name) for name in ("NewGELUActivation", "FastGELUActivation")
-                     if hasattr(activations, name))
     swapped = 0
     for parent in list(model.modules()):
         if isinstance(parent, _TanhGELU):  # already swapped: its `plain` is the formula it replaced
             continue
         for name, child in list(parent.named_children()):
-            if type(child) in formulas:
+            if _is_tanh_gelu_formula(child, activations):
                 setattr(parent, name, _TanhGELU(child))
                 swapped += 1
     return swapped
