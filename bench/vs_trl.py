@@ -123,7 +123,7 @@ def parse_args(argv=None):
     ap.add_argument("--ab-shared-prefix", action="store_true",
                     help="also time our iteration with the shared-prompt log-prob path off (an extra arm after ours)")
     ap.add_argument("--ab-formula-gelu", action="store_true",
-                    help="also time our iteration with GPT-2's GELU as transformers' formula, not one op (an extra arm)")
+                    help="also time our iteration with GPT-2's GELU as transformers' formula (an extra arm)")
     ap.add_argument("--grid", action="store_true", help="every cell of the grid, one fresh process each")
     return ap.parse_args(argv)
 
@@ -134,7 +134,8 @@ def run_grid(args) -> None:
         flags = ["--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens), "--group", str(group)]
         for name in ("repeats", "threads", "layers", "width", "prompts", "beta"):
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-        flags += [f"--{name.replace('_', '-')}" for name in ("ab_shared_prefix", "ab_formula_gelu") if getattr(args, name)]
+        arms = ("ab_shared_prefix", "ab_formula_gelu")  # the A/B arms run in every cell too
+        flags += [f"--{name.replace('_', '-')}" for name in arms if getattr(args, name)]
         out = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True, check=True).stdout
         cell = json.loads(out.strip().splitlines()[-1])
         cells.append(cell)

@@ -21,7 +21,8 @@ path everywhere, so one equivalence test can run the same work both ways
   fp32 instead of another forward pass (``pipeline.stages.grpo.reuses_sampled_logprobs``);
 - log p(target): a fused backward instead of autograd's graph of log-softmax and gather.
 - transformers models with a tanh-approximate GELU written as a Python formula (GPT-2's ``gelu_new``,
-  ``gelu_fast``, ``gelu_accurate``, ``gelu_python_tanh``): one ``F.gelu(approximate="tanh")`` op, forward and backward (``pipeline.model.hf``).
+  ``gelu_fast``, ``gelu_accurate``, ``gelu_python_tanh``): one ``F.gelu(approximate="tanh")`` op,
+  forward and backward (``pipeline.model.hf``).
 """
 
 from __future__ import annotations

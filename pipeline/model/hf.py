@@ -115,8 +115,8 @@ class _TanhGELU(nn.Module):
 
 def _is_tanh_gelu_formula(module: nn.Module, activations) -> bool:
     """Whether `module` is one of transformers' Python formulas of the tanh-approximate GELU."""
-    formulas = tuple(getattr(activations, name) for name in
-                     ("NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation") if hasattr(activations, name))
+    names = ("NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation")
+    formulas = tuple(getattr(activations, name) for name in names if hasattr(activations, name))
     if type(module) in formulas:
         return True
     python_tanh = getattr(getattr(activations, "GELUTanh", None), "_gelu_tanh_python", None)
