@@ -113,15 +113,18 @@ class _TanhGELU(nn.Module):
         return self.plain(x)
 
 
-def _is_tanh_gelu_formula(module: nn.Module, activations) -> bool:
-    """Whether `module` is one of transformers' Python formulas of the tanh-approximate GELU."""
+def _tanh_gelu_formulas(activations):
+    """A test of whether a module is one of transformers' Python formulas of the tanh-approximate GELU
+    (the classes looked up once, not per module)."""
     names = ("NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation")
     formulas = tuple(getattr(activations, name) for name in names if hasattr(activations, name))
-    if type(module) in formulas:
-        return True
     python_tanh = getattr(getattr(activations, "GELUTanh", None), "_gelu_tanh_python", None)
-    act = getattr(module, "act", None)  # GELUTanh(use_gelu_tanh_python=True): the formula as a method
-    return python_tanh is not None and getattr(act, "__func__", None) is python_tanh
+
+    def is_formula(module: nn.Module) -> bool:
+        act = getattr(module, "act", None)  # GELUTanh(use_gelu_tanh_python=True): the formula as a method
+        return type(module) in formulas or (python_tanh is not None and getattr(act, "__func__", None) is python_tanh)
+
+    return is_formula
 
 
 def fuse_activations(model: nn.Module) -> int:
@@ -130,12 +133,13 @@ def fuse_activations(model: nn.Module) -> int:
     No parameters change, so state dicts, configs and saved checkpoints are those of the model."""
     from transformers import activations
 
+    is_formula = _tanh_gelu_formulas(activations)
     swapped = 0
     for parent in list(model.modules()):
         if isinstance(parent, _TanhGELU):  # already swapped: its `plain` is the formula it replaced
             continue
         for name, child in list(parent.named_children()):
-            if _is_tanh_gelu_formula(child, activations):
+            if is_formula(child):
                 setattr(parent, name, _TanhGELU(child))
                 swapped += 1
     return swapped
