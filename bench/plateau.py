@@ -1,0 +1,281 @@
+"""Is the SFT start at its plateau?  Held-out accuracy at 80% of the SFT's steps and at its end, on
+far more problems than the stage's own check, paired, with 95% intervals.
+
+The SFT stage's own check (``plots/sft.csv``: a greedy pass over the first ``sft.eval_samples`` = 200
+held-out problems every ``sft.eval_every`` steps) is too coarse for the criterion "its last 20% of
+steps move held-out accuracy by at most 2 points": one problem is 0.5 points, and near 70% accuracy
+neighbouring checks of a flat curve differ by about 3 points. For each seed this bench
+
+1. runs the SFT stage of the given params through the CLI (``sft.seed`` = the seed), with a
+   resumable checkpoint at every check (``sft.save_every = sft.eval_every``: writing one reads the
+   RNGs and draws nothing, so the run is the same bits as one without them) and keeps a copy of the
+   one at the check nearest 80% of the steps (the stage deletes its resume folder when it ends);
+2. scores that checkpoint and the final one greedily, with the stage's own decoding (batch and
+   generation budget as the stage's check computes them), on
+   - ``held-out``: the stage's own 200 problems. These must reproduce ``plots/sft.csv``'s two figures
+     (printed beside them): the check that the kept checkpoint is the one the stage scored;
+   - ``fresh``: ``--problems`` new problems of levels 2 to ``data.arith_max_level``, round-robin, none
+     of whose expressions is in the training stream or the held-out set (level 1 has 155 distinct
+     expressions, all of them used by those two);
+3. reports each seed's move (final minus the 80% checkpoint) on each set, with a paired bootstrap
+   95% interval over the problems, and the mean over seeds with a two-level bootstrap (seeds, then
+   problems), as ``bench/learning.py`` does.
+
+    python bench/plateau.py --seeds 0 1 2 --work runs/plateau [--problems 2400] [--gsm8k PATH] [--set k=v ...]
+    python bench/plateau.py --work runs/plateau --report        # re-read finished seeds only
+    # the stages' and the scoring's CPU kernels are the params' (model.cpu_kernels; native by default)
+    # last line: JSON with every figure
+
+Seed 0 of the default params is the committed run's SFT, bit for bit (``checkpoints/sft`` of ``make
+run``), so its figures are the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, emit, machine_line  # noqa: E402
+from learning import bootstrap, prepare, run_stage, sft_curve  # noqa: E402
+
+from pipeline.files import read_rows, write_bytes_atomic  # noqa: E402
+from pipeline.lock import workspace_lock  # noqa: E402
+
+POLL_S = 0.2
+FRESH_SEED = "plateau-fresh"
+
+
+class Keeper:
+    """While in its `with` block, copies folder `src` to `dst` as soon as `src` appears (checkpoint
+    folders appear whole: they are written to a temporary name and renamed); `dst` appears whole too."""
+
+    def __init__(self, src: Path, dst: Path, poll_s: float = POLL_S) -> None:
+        self.src, self.dst, self.poll_s = src, dst, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self.dst.exists():
+            if self.src.is_dir():
+                tmp = self.dst.with_name(self.dst.name + ".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copytree(self.src, tmp)
+                tmp.rename(self.dst)
+            elif self._stop.wait(self.poll_s):
+                return
+
+    def __enter__(self) -> Keeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def reference_step(steps: int, eval_every: int) -> int:
+    """The check nearest 80% of `steps` (checks fall at multiples of `eval_every`, before the last)."""
+    checks = list(range(eval_every, steps, eval_every))
+    if not checks:
+        raise SystemExit(f"sft.steps = {steps} with sft.eval_every = {eval_every} has no check before the end")
+    return min(checks, key=lambda s: abs(s - 0.8 * steps))
+
+
+def expression_of(question: str) -> str:
+    """The expression of a curriculum question ("Compute 7 - 4." -> "7 - 4")."""
+    from pipeline.data.arithmetic import PHRASINGS
+
+    for phrasing in PHRASINGS:
+        head, tail = phrasing.split("{e}")
+        if question.startswith(head) and question.endswith(tail) and len(question) > len(head) + len(tail):
+            return question[len(head):len(question) - len(tail)]
+    raise ValueError(f"not a curriculum question: {question!r}")
+
+
+def fresh_rows(used: set[str], n: int, max_level: int, template: str, style: str,
+               seed: str = FRESH_SEED) -> list[dict[str, Any]]:
+    """`n` problems of levels 2..max_level (round-robin), distinct, none with an expression in `used`."""
+    from pipeline.data.arithmetic import sample_problem, to_row
+
+    levels = list(range(2, max_level + 1))
+    if not levels:
+        raise SystemExit("fresh problems need data.arith_max_level >= 2")
+    rng, seen, rows = random.Random(seed), set(used), []
+    for i in range(n):
+        level = levels[i % len(levels)]
+        for _ in range(10_000):
+            p = sample_problem(level, rng)
+            if p.expr not in seen:
+                break
+        else:
+            raise SystemExit(f"level {level} has too few unused expressions for {n} fresh problems")
+        seen.add(p.expr)
+        rows.append(to_row(p, f"arith-fresh-{i:05d}", rng, template, style))
+    return rows
+
+
+def greedy_correct_rows(policy, rows: list[dict[str, Any]], max_new: int) -> list[int]:
+    """0/1 per row: the stage's check (`pipeline.generation.greedy_correct`) row by row."""
+    from pipeline.generation import EVAL_BATCH
+    from pipeline.rewards.parsing import extract_answer
+    from pipeline.rewards.verifiers import answers_match
+    from pipeline.rollout import rollout_prompts
+
+    out = []
+    for s in range(0, len(rows), EVAL_BATCH):
+        batch = rows[s:s + EVAL_BATCH]
+        ro = rollout_prompts(policy, [r["prompt"] for r in batch], 1, max_new, greedy=True)
+        out += [int(answers_match(extract_answer(t), r["gold"])) for t, r in zip(ro.texts, batch)]
+    return out
+
+
+def budget(tok, rows: list[dict[str, Any]], block_size: int) -> int:
+    """The SFT check's generation budget for `rows` (pipeline.stages.sft: longest solution + 8)."""
+    from pipeline.data.prompts import response_text
+
+    prompt = max(len(p) for p in tok.encode_batch([r["prompt"] for r in rows]))
+    resp = max(len(r) for r in tok.encode_batch([response_text(r["solution"]) for r in rows]))
+    return max(1, min(resp + 8, block_size - prompt))
+
+
+def score(folder: Path, cfg, ref: int, n_fresh: int) -> dict[str, Any]:
+    """Each set's per-problem greedy correctness of the kept checkpoint and the final one."""
+    import torch
+
+    from pipeline.checkpoint import load_policy
+
+    data = folder / "data"
+    held = read_rows(data / "arith_eval.jsonl")[: cfg.sft.eval_samples]
+    used = {expression_of(r["question"]) for name in ("arith_train.jsonl", "arith_eval.jsonl")
+            for r in read_rows(data / name)}
+    fresh = fresh_rows(used, n_fresh, cfg.data.arith_max_level, cfg.data.prompt_template, cfg.data.arith_solution)
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"fresh_levels": [r["level"] for r in fresh]}
+    for name, path in (("ref", folder / "checkpoints" / f"sft_at_{ref}"), ("last", folder / "checkpoints" / "sft")):
+        policy = load_policy(path, device="cpu").eval()
+        block = cfg.model.block_size
+        out[name] = {"held_out": greedy_correct_rows(policy, held, budget(policy.tokenizer, held, block)),
+                     "fresh": greedy_correct_rows(policy, fresh, budget(policy.tokenizer, fresh, block))}
+    return out
+
+
+def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[str], n_fresh: int) -> dict:
+    from pipeline.config_loading import load_config
+
+    folder = work / f"seed-{seed}"
+    done = folder / "plateau.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(params, folder / "params.yaml")
+    if not (folder / "data").exists():
+        (folder / "data").symlink_to(data.resolve())
+    cfg = load_config(folder / "params.yaml", [*overrides, f"sft.seed={seed}"])
+    ref = reference_step(cfg.sft.steps, cfg.sft.eval_every)
+    sets = [*overrides, f"sft.seed={seed}", f"sft.save_every={cfg.sft.eval_every}", "sft.keep_last=2"]
+    kept, final = folder / "checkpoints" / f"sft_at_{ref}", folder / "checkpoints" / "sft" / "config.json"
+    wall = None
+    if not final.is_file():
+        shutil.rmtree(kept, ignore_errors=True)  # from an unfinished earlier try: taken again from this run
+        with Keeper(folder / "checkpoints" / "sft.resume" / f"step_{ref:06d}", kept), \
+                workspace_lock(f"bench/plateau.py seed {seed}", root=folder), open(folder / "sft.log", "a") as log:
+            wall = round(run_stage(folder, "sft", sets, log), 1)
+    if not kept.is_dir():
+        raise SystemExit(f"{folder}: the step-{ref} checkpoint was not kept (the SFT finished before this bench "
+                         f"watched it); remove {folder / 'checkpoints'} and run again")
+    result = {"seed": seed, "ref_step": ref, "last_step": cfg.sft.steps, "wall_s": wall,
+              "sft_curve": sft_curve(folder), "overrides": sets, **score(folder, cfg, ref, n_fresh)}
+    write_bytes_atomic(done, json.dumps(result).encode())
+    return result
+
+
+def moves(result: dict, which: str) -> list[int]:
+    """Per-problem move, final minus the 80% checkpoint: -1, 0 or +1."""
+    return [b - a for a, b in zip(result["ref"][which], result["last"][which])]
+
+
+def report(results: list[dict]) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    table: dict[str, Any] = {"seeds": [r["seed"] for r in results], "per_seed": []}
+    print(f"{len(results)} seeds ({', '.join(str(r['seed']) for r in results)}); move = final - the "
+          f"checkpoint at 80% of the steps, points [95% paired interval over the problems]")
+    for r in results:
+        curve = dict(r["sft_curve"])
+        row = {"seed": r["seed"], "ref_step": r["ref_step"], "last_step": r["last_step"],
+               "stage_check": [curve.get(r["ref_step"]), curve.get(r["last_step"])]}
+        for which in ("held_out", "fresh"):
+            m, lo, hi = bootstrap([moves(r, which)], rng)
+            row[which] = {"n": len(r["ref"][which]), "ref": round(float(np.mean(r["ref"][which])), 4),
+                          "last": round(float(np.mean(r["last"][which])), 4),
+                          "move": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)],
+                          "up_down": [sum(x > 0 for x in moves(r, which)), sum(x < 0 for x in moves(r, which))]}
+        levels = r["fresh_levels"]
+        row["fresh_by_level"] = {
+            str(lv): round(float(np.mean([d for d, L in zip(moves(r, "fresh"), levels) if L == lv])), 4)
+            for lv in sorted(set(levels))}
+        table["per_seed"].append(row)
+        h, f = row["held_out"], row["fresh"]
+        same = "the same" if [h["ref"], h["last"]] == row["stage_check"] else f"NOT the stage's {row['stage_check']}"
+        print(f"  seed {r['seed']}: steps {r['ref_step']} -> {r['last_step']}")
+        print(f"    held-out ({h['n']}): {100 * h['ref']:.1f}% -> {100 * h['last']:.1f}%  move {100 * h['move']:+.1f} "
+              f"[{100 * h['ci95'][0]:+.1f}, {100 * h['ci95'][1]:+.1f}]  ({same} as plots/sft.csv)")
+        print(f"    fresh ({f['n']}):    {100 * f['ref']:.1f}% -> {100 * f['last']:.1f}%  move {100 * f['move']:+.1f} "
+              f"[{100 * f['ci95'][0]:+.1f}, {100 * f['ci95'][1]:+.1f}]  problems up / down {f['up_down']}; "
+              f"by level {', '.join(f'{k}: {100 * v:+.1f}' for k, v in row['fresh_by_level'].items())}")
+    for which in ("held_out", "fresh"):
+        m, lo, hi = bootstrap([moves(r, which) for r in results], rng)
+        table[f"mean_{which}"] = {"move": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)]}
+        print(f"  mean move over seeds, {which}: {100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True, help="working folder (kept: finished seeds are reused)")
+    ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
+    ap.add_argument("--gsm8k", default=None, help="local GSM8K folder (default: $GSM8K, else datasets/gsm8k)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--problems", type=int, default=2400, help="fresh problems (levels 2..max, round-robin)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--report", action="store_true", help="only report the seeds already finished")
+    args = ap.parse_args()
+    if args.problems < 1:
+        ap.error("--problems must be at least 1")
+    overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
+    from common import default_gsm8k
+    from pipeline.cli import exit_status
+    from pipeline.config_loading import load_config
+    from pipeline.kernels import apply as pin_cpu_kernels
+
+    def pin() -> int:  # the scoring computes with the kernels the stages' CLI pins (model.cpu_kernels)
+        pin_cpu_kernels(load_config(args.params, overrides).model.cpu_kernels)
+        return 0
+
+    code = exit_status(pin)
+    if code:
+        sys.exit(code)
+    print(machine_line(1))
+    work = args.work.resolve()
+    if args.report:
+        results = [json.loads(p.read_text()) for p in sorted(work.glob("seed-*/plateau.json"))]
+        if not results:
+            raise SystemExit(f"no finished seed under {work}")
+    else:
+        data = prepare(work, args.params, args.gsm8k or default_gsm8k(), overrides)
+        results = [train_seed(work, args.params, data, s, overrides, args.problems) for s in args.seeds]
+    table = report(results)
+    table["wall_s"] = {r["seed"]: r["wall_s"] for r in results}
+    emit(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""bench/plateau.py: the reference check, the fresh problems (disjoint by expression, levels
+round-robin), the checkpoint keeper, and the per-problem moves and their report."""
+
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench.plateau import Keeper, expression_of, fresh_rows, greedy_correct_rows, moves, reference_step, report
+from pipeline.data.arithmetic import MAX_LEVEL, PHRASINGS, sample_problem, to_row
+from pipeline.rewards.parsing import extract_answer
+
+
+def test_reference_step_is_the_check_nearest_80_percent():
+    assert reference_step(4500, 450) == 3600  # the default: checks every 10% of the run
+    assert reference_step(1250, 250) == 1000
+    assert reference_step(300, 50) == 250  # 240 -> the nearest check
+    assert reference_step(1000, 300) == 900  # checks 300, 600, 900: 900 is nearest 800
+    with pytest.raises(SystemExit):
+        reference_step(400, 500)  # no check before the end
+
+
+@given(st.integers(1, MAX_LEVEL), st.integers(0, 2**32 - 1))
+def test_expression_of_inverts_every_phrasing(level, seed):
+    rng = random.Random(seed)
+    p = sample_problem(level, rng)
+    for phrasing in PHRASINGS:
+        assert expression_of(phrasing.format(e=p.expr)) == p.expr
+    assert expression_of(to_row(p, "x", rng, "{question}")["question"]) == p.expr
+
+
+def test_expression_of_rejects_other_text():
+    for bad in ("", "What is?", "Natalia sold clips to 48 friends.", "Compute ."):
+        with pytest.raises(ValueError):
+            expression_of(bad)
+
+
+def test_fresh_rows_are_new_distinct_round_robin_and_deterministic():
+    rng = random.Random(0)
+    used = {sample_problem(level, rng).expr for level in (2, 3, 4) for _ in range(500)}
+    rows = fresh_rows(used, 300, 4, "{question}", "digits")
+    exprs = [expression_of(r["question"]) for r in rows]
+    assert len(set(exprs)) == 300 and not set(exprs) & used
+    assert [r["level"] for r in rows] == [2, 3, 4] * 100
+    for r in rows:  # the gold answer is the worked solution's own
+        assert float(extract_answer(r["solution"])) == r["gold"]
+    assert rows == fresh_rows(used, 300, 4, "{question}", "digits")
+    assert rows != fresh_rows(used, 300, 4, "{question}", "digits", seed="another")
+    with pytest.raises(SystemExit):
+        fresh_rows(set(), 10, 1, "{question}", "digits")  # level 1 only: nothing to draw from
+
+
+def test_fresh_rows_stop_when_a_level_runs_out():
+    rng = random.Random(0)
+    all_level2 = {f"{a} {op} {b}" for a in range(10, 100) for b in range(10, 100) for op in "+-"
+                  if not (op == "-" and b > a)}
+    assert sample_problem(2, rng).expr in all_level2
+    with pytest.raises(SystemExit, match="level 2"):
+        fresh_rows(all_level2, 3, 2, "{question}", "digits")
+
+
+def test_keeper_copies_the_folder_once_it_appears(tmp_path):
+    src, dst = tmp_path / "resume" / "step_000250", tmp_path / "kept"
+
+    def appear():
+        time.sleep(0.3)
+        tmp = src.with_name("tmp")
+        tmp.mkdir(parents=True)
+        (tmp / "model.safetensors").write_bytes(b"weights")
+        tmp.rename(src)  # as checkpoints appear: whole
+
+    t = threading.Thread(target=appear)
+    with Keeper(src, dst, poll_s=0.05):
+        t.start()
+        t.join()
+        deadline = time.monotonic() + 5
+        while not dst.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert (dst / "model.safetensors").read_bytes() == b"weights"
+    assert not dst.with_name("kept.tmp").exists()
+
+
+def test_keeper_leaves_nothing_when_the_folder_never_appears(tmp_path):
+    with Keeper(tmp_path / "never", tmp_path / "kept", poll_s=0.01):
+        time.sleep(0.05)
+    assert not (tmp_path / "kept").exists()
+
+
+def test_moves_and_report_are_paired_per_problem():
+    result = {"seed": 0, "ref_step": 3600, "last_step": 4500, "sft_curve": [[3600, 0.5], [4500, 0.5]],
+              "fresh_levels": [2, 3, 2, 3],
+              "ref": {"held_out": [1, 0, 1, 0], "fresh": [1, 1, 0, 0]},
+              "last": {"held_out": [0, 1, 1, 0], "fresh": [1, 1, 1, 1]}}
+    assert moves(result, "held_out") == [-1, 1, 0, 0]
+    assert moves(result, "fresh") == [0, 0, 1, 1]
+    table = report([result])
+    seed = table["per_seed"][0]
+    assert seed["stage_check"] == [0.5, 0.5] and seed["held_out"]["ref"] == seed["held_out"]["last"] == 0.5
+    assert seed["held_out"]["move"] == 0.0 and seed["held_out"]["up_down"] == [1, 1]
+    assert seed["fresh"]["move"] == 0.5 and seed["fresh"]["up_down"] == [2, 0]
+    assert seed["fresh_by_level"] == {"2": 0.5, "3": 0.5}
+    low, high = seed["held_out"]["ci95"]
+    assert -1 <= low < 0 < high <= 1  # one up, one down: an interval around no move
+    assert table["mean_fresh"]["move"] == 0.5
+
+
+@pytest.fixture
+def gpt_policy():
+    """A 2-layer, 32-wide from-scratch GPT taught for a few steps to answer "Question: ...\nAnswer:" with
+    `<answer>N</answer>` (a random one repeats one token and writes no number)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pipeline.config import ModelConfig
+    from pipeline.model.policy import build_policy
+    from pipeline.tokenizer import train_tokenizer
+
+    rng = random.Random(0)
+    texts = [f"Question: What is {a} + {b}?\nAnswer: <answer>{a + b}</answer>"
+             for a, b in ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(64))]
+    torch.manual_seed(0)
+    tok = train_tokenizer(texts, vocab_size=320)
+    policy = build_policy(ModelConfig(backend="gpt", n_layer=2, n_head=2, n_embd=32, block_size=128, device="cpu"),
+                          tok)
+    ids = [tok.encode(t) for t in texts]
+    width = max(map(len, ids))
+    x = torch.tensor([i + [tok.pad_id] * (width - len(i)) for i in ids])
+    opt = torch.optim.AdamW(policy.module.parameters(), lr=1e-2)
+    for _ in range(30):
+        logits = policy.module(x[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), ignore_index=tok.pad_id)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return policy.eval()
+
+
+def test_greedy_rows_are_the_stage_check_row_by_row(gpt_policy):
+    """Per row, in order, what the SFT stage's own held-out check counts (pipeline.generation.greedy_correct):
+    golds are set from the policy's own greedy answers on even rows and to an unreachable value on odd ones."""
+    from pipeline.generation import EVAL_BATCH, generate, greedy_correct
+
+    rng, policy = random.Random(3), gpt_policy.eval()
+    rows = [to_row(sample_problem(1, rng), f"r{i}", rng, "Question: {question}\nAnswer:")
+            for i in range(EVAL_BATCH + 6)]  # more than one decoding batch
+    texts, _, _ = generate(policy, [r["prompt"] for r in rows], batch_size=EVAL_BATCH, max_new_tokens=12)
+    expected = []
+    for i, (r, text) in enumerate(zip(rows, texts)):
+        answer = extract_answer(text)
+        r["gold"] = answer if (i % 2 == 0 and answer is not None) else -0.5
+        expected.append(int(r["gold"] != -0.5))
+    assert sum(expected) >= 5  # the tiny model writes numbers, so there is something to match
+    assert greedy_correct_rows(policy, rows, 12) == expected
+    assert sum(expected) == greedy_correct(policy, rows, 12)
