@@ -7,19 +7,21 @@ steps move held-out accuracy by at most 2 points": one problem is 0.5 points, an
 neighbouring checks of a flat curve differ by about 3 points. For each seed this bench
 
 1. runs the SFT stage of the given params through the CLI (``sft.seed`` = the seed), with a
-   resumable checkpoint at every check (``sft.save_every = sft.eval_every``: writing one reads the
-   RNGs and draws nothing, so the run is the same bits as one without them) and keeps a copy of the
-   one at the check nearest 80% of the steps (the stage deletes its resume folder when it ends);
+   resumable checkpoint at every check from the one nearest 80% of the steps on (``sft.save_every =
+   sft.eval_every``; writing them changes no bit of the run, tests/test_sft.py), and copies that
+   one, checked by its resume key, as it appears (the stage deletes its resume folder when it ends);
 2. scores that checkpoint and the final one greedily, with the stage's own decoding (batch and
    generation budget as the stage's check computes them), on
    - ``held-out``: the stage's own 200 problems. These must reproduce ``plots/sft.csv``'s two figures
-     (printed beside them): the check that the kept checkpoint is the one the stage scored;
+     (``reproduces_stage_check``): the check that the kept checkpoint is the one the stage scored;
    - ``fresh``: ``--problems`` new problems of levels 2 to ``data.arith_max_level``, round-robin, none
      of whose expressions is in the training stream or the held-out set (level 1 has 155 distinct
      expressions, all of them used by those two);
 3. reports each seed's move (final minus the 80% checkpoint) on each set, with a paired bootstrap
-   95% interval over the problems, and the mean over seeds with a two-level bootstrap (seeds, then
-   problems), as ``bench/learning.py`` does.
+   95% interval over the problems; the move on the held-out set's level mix (its level-1 problems,
+   a quarter of it by default, beside the fresh problems of the other levels, weighted as the
+   held-out set weighs them); and the mean over seeds with a two-level bootstrap (seeds, then
+   problems), as ``bench/learning.py`` does (with few seeds, too narrow an interval).
 
     python bench/plateau.py --seeds 0 1 2 --work runs/plateau [--problems 2400] [--gsm8k PATH] [--set k=v ...]
     python bench/plateau.py --work runs/plateau --report        # re-read finished seeds only
@@ -53,35 +55,55 @@ FRESH_SEED = "plateau-fresh"
 
 
 class Keeper:
-    """While in its `with` block, copies folder `src` to `dst` as soon as `src` appears (checkpoint
-    folders appear whole: they are written to a temporary name and renamed); `dst` appears whole too."""
+    """While in its `with` block, copies the checkpoint folder `src` to `dst` as soon as `src` appears
+    with resume key `key` (checkpoint folders appear whole: written to a temporary name, then renamed;
+    one left by other params or data has another key and is not copied); `dst` appears whole too. An
+    error while copying is raised when the block ends."""
 
-    def __init__(self, src: Path, dst: Path, poll_s: float = POLL_S) -> None:
-        self.src, self.dst, self.poll_s = src, dst, poll_s
+    def __init__(self, src: Path, dst: Path, key: str, poll_s: float = POLL_S) -> None:
+        self.src, self.dst, self.key, self.poll_s = src, dst, key, poll_s
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
-        while not self.dst.exists():
-            if self.src.is_dir():
-                tmp = self.dst.with_name(self.dst.name + ".tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.copytree(self.src, tmp)
-                tmp.rename(self.dst)
-            elif self._stop.wait(self.poll_s):
-                return
+        try:
+            while not self.dst.exists():
+                if self.src.is_dir() and stored_key(self.src) == self.key:
+                    tmp = self.dst.with_name(self.dst.name + ".tmp")
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    shutil.copytree(self.src, tmp)
+                    tmp.rename(self.dst)
+                elif self._stop.wait(self.poll_s):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller in __exit__
+            self.error = exc
 
     def __enter__(self) -> Keeper:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self.error is not None and exc_type is None:
+            raise SystemExit(f"copying {self.src} to {self.dst} failed: {self.error}")
+
+
+def stored_key(folder: Path) -> str | None:
+    """The resume key a resumable checkpoint folder was saved under (None if unreadable)."""
+    from pipeline.checkpoint_manifest import TRAIN_JSON
+
+    try:
+        return json.loads((folder / TRAIN_JSON).read_text())["extra"]["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def reference_step(steps: int, eval_every: int) -> int:
     """The check nearest 80% of `steps` (checks fall at multiples of `eval_every`, before the last)."""
+    if eval_every < 1:
+        raise SystemExit(f"sft.eval_every = {eval_every}: the plateau check needs checks (at least 1)")
     checks = list(range(eval_every, steps, eval_every))
     if not checks:
         raise SystemExit(f"sft.steps = {steps} with sft.eval_every = {eval_every} has no check before the end")
@@ -157,7 +179,7 @@ def score(folder: Path, cfg, ref: int, n_fresh: int) -> dict[str, Any]:
             for r in read_rows(data / name)}
     fresh = fresh_rows(used, n_fresh, cfg.data.arith_max_level, cfg.data.prompt_template, cfg.data.arith_solution)
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"fresh_levels": [r["level"] for r in fresh]}
+    out: dict[str, Any] = {"held_out_levels": [r["level"] for r in held], "fresh_levels": [r["level"] for r in fresh]}
     for name, path in (("ref", folder / "checkpoints" / f"sft_at_{ref}"), ("last", folder / "checkpoints" / "sft")):
         policy = load_policy(path, device="cpu").eval()
         block = cfg.model.block_size
@@ -167,32 +189,54 @@ def score(folder: Path, cfg, ref: int, n_fresh: int) -> dict[str, Any]:
 
 
 def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[str], n_fresh: int) -> dict:
+    import contextlib
+    import subprocess
+
     from pipeline.config_loading import load_config
+    from pipeline.stages.sft import compatibility_key
 
     folder = work / f"seed-{seed}"
-    done = folder / "plateau.json"
-    if done.is_file():
-        return json.loads(done.read_text())
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(params, folder / "params.yaml")
-    if not (folder / "data").exists():
-        (folder / "data").symlink_to(data.resolve())
-    cfg = load_config(folder / "params.yaml", [*overrides, f"sft.seed={seed}"])
-    ref = reference_step(cfg.sft.steps, cfg.sft.eval_every)
-    sets = [*overrides, f"sft.seed={seed}", f"sft.save_every={cfg.sft.eval_every}", "sft.keep_last=2"]
-    kept, final = folder / "checkpoints" / f"sft_at_{ref}", folder / "checkpoints" / "sft" / "config.json"
-    wall = None
-    if not final.is_file():
-        shutil.rmtree(kept, ignore_errors=True)  # from an unfinished earlier try: taken again from this run
-        with Keeper(folder / "checkpoints" / "sft.resume" / f"step_{ref:06d}", kept), \
-                workspace_lock(f"bench/plateau.py seed {seed}", root=folder), open(folder / "sft.log", "a") as log:
-            wall = round(run_stage(folder, "sft", sets, log), 1)
-    if not kept.is_dir():
-        raise SystemExit(f"{folder}: the step-{ref} checkpoint was not kept (the SFT finished before this bench "
-                         f"watched it); remove {folder / 'checkpoints'} and run again")
-    result = {"seed": seed, "ref_step": ref, "last_step": cfg.sft.steps, "wall_s": wall,
-              "sft_curve": sft_curve(folder), "overrides": sets, **score(folder, cfg, ref, n_fresh)}
-    write_bytes_atomic(done, json.dumps(result).encode())
+    with workspace_lock(f"bench/plateau.py seed {seed}", root=folder):
+        if not (folder / "params.yaml").exists():
+            shutil.copy(params, folder / "params.yaml")
+        elif (folder / "params.yaml").read_bytes() != params.read_bytes():
+            raise SystemExit(f"{folder / 'params.yaml'} differs from {params}: use another --work folder")
+        if not (folder / "data").exists():
+            (folder / "data").symlink_to(data.resolve())
+        cfg = load_config(folder / "params.yaml", [*overrides, f"sft.seed={seed}"])
+        if cfg.sft.eval_samples < 1:
+            raise SystemExit(f"sft.eval_samples = {cfg.sft.eval_samples}: the plateau check needs held-out problems")
+        ref = reference_step(cfg.sft.steps, cfg.sft.eval_every)
+        # every check from `ref` on is kept until the stage ends, so `ref` is never rotated away
+        keep = len(range(ref, cfg.sft.steps, cfg.sft.eval_every))
+        sets = [*overrides, f"sft.seed={seed}", f"sft.save_every={cfg.sft.eval_every}", f"sft.keep_last={keep}"]
+        done = folder / "plateau.json"
+        if done.is_file():
+            result = json.loads(done.read_text())
+            if result.get("overrides") != sets or len(result["fresh_levels"]) != n_fresh:
+                raise SystemExit(f"{done} was made with other settings ({result.get('overrides')}, "
+                                 f"{len(result['fresh_levels'])} fresh problems): use another --work folder")
+            return result
+        with contextlib.chdir(folder):  # the key hashes data/ as the stage sees it
+            key = compatibility_key(load_config(folder / "params.yaml", sets))
+        kept, final = folder / "checkpoints" / f"sft_at_{ref}", folder / "checkpoints" / "sft" / "config.json"
+        if kept.exists() and stored_key(kept) != key:
+            shutil.rmtree(kept)  # from another try with other params: taken again from this run
+        wall = None
+        if not final.is_file():
+            try:
+                with Keeper(folder / "checkpoints" / "sft.resume" / f"step_{ref:06d}", kept, key), \
+                        open(folder / "sft.log", "a") as log:
+                    wall = round(run_stage(folder, "sft", sets, log), 1)
+            except subprocess.CalledProcessError as exc:
+                raise SystemExit(f"the SFT of seed {seed} failed (exit {exc.returncode}): see {folder / 'sft.log'}")
+        if not kept.is_dir():
+            raise SystemExit(f"{folder}: no step-{ref} checkpoint of these params was kept (the SFT ended without "
+                             f"writing one while this bench watched); remove {folder / 'checkpoints'} and run again")
+        result = {"seed": seed, "ref_step": ref, "last_step": cfg.sft.steps, "wall_s": wall,
+                  "sft_curve": sft_curve(folder), "overrides": sets, **score(folder, cfg, ref, n_fresh)}
+        write_bytes_atomic(done, json.dumps(result).encode())
     return result
 
 
@@ -201,40 +245,78 @@ def moves(result: dict, which: str) -> list[int]:
     return [b - a for a, b in zip(result["ref"][which], result["last"][which])]
 
 
+def mixed_bootstrap(results: list[dict], rng, draws: int = 10_000) -> tuple[float, float, float]:
+    """(mean, 95% low, 95% high) of the move on the held-out set's level mix: level 1 from the held-out
+    problems (the fresh set has none), the other levels from the fresh problems, weighted by the
+    held-out set's share of level 1. Seeds resampled, then each stratum's problems."""
+    import numpy as np
+
+    per_seed = []
+    for r in results:
+        w1 = sum(L == 1 for L in r["held_out_levels"]) / len(r["held_out_levels"])
+        one = np.asarray([d for d, L in zip(moves(r, "held_out"), r["held_out_levels"]) if L == 1] or [0], float)
+        rest = np.asarray(moves(r, "fresh"), float)
+        point = w1 * one.mean() + (1 - w1) * rest.mean()
+        boot = (w1 * one[rng.integers(0, len(one), (draws, len(one)))].mean(axis=1)
+                + (1 - w1) * rest[rng.integers(0, len(rest), (draws, len(rest)))].mean(axis=1))
+        per_seed.append((point, boot))
+    seeds = rng.integers(0, len(per_seed), (draws, len(per_seed)))
+    boots = np.stack([b for _, b in per_seed])  # (seeds, draws)
+    stats = np.sort(boots[seeds, np.arange(draws)[:, None]].mean(axis=1))
+    return (float(np.mean([p for p, _ in per_seed])), float(stats[int(0.025 * draws)]),
+            float(stats[int(0.975 * draws) - 1]))
+
+
 def report(results: list[dict]) -> dict:
     import numpy as np
 
     rng = np.random.default_rng(0)
     table: dict[str, Any] = {"seeds": [r["seed"] for r in results], "per_seed": []}
+    pct = lambda m, lo, hi: f"{100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"  # noqa: E731
     print(f"{len(results)} seeds ({', '.join(str(r['seed']) for r in results)}); move = final - the "
-          f"checkpoint at 80% of the steps, points [95% paired interval over the problems]")
+          f"checkpoint at the check nearest 80% of the steps, points [95% paired interval over the problems]")
     for r in results:
         curve = dict(r["sft_curve"])
-        row = {"seed": r["seed"], "ref_step": r["ref_step"], "last_step": r["last_step"],
-               "stage_check": [curve.get(r["ref_step"]), curve.get(r["last_step"])]}
+        n = len(r["ref"]["held_out"])
+        stage = [curve.get(r["ref_step"]), curve.get(r["last_step"])]
+        row = {"seed": r["seed"], "ref_step": r["ref_step"], "last_step": r["last_step"], "stage_check": stage,
+               # the kept checkpoint is the one the stage scored: the same number of held-out problems right
+               "reproduces_stage_check": [None if a is None else round(a * n) for a in stage]
+               == [sum(r["ref"]["held_out"]), sum(r["last"]["held_out"])]}
         for which in ("held_out", "fresh"):
-            m, lo, hi = bootstrap([moves(r, which)], rng)
-            row[which] = {"n": len(r["ref"][which]), "ref": round(float(np.mean(r["ref"][which])), 4),
+            ms = moves(r, which)
+            m, lo, hi = bootstrap([ms], rng)
+            row[which] = {"n": len(ms), "ref": round(float(np.mean(r["ref"][which])), 4),
                           "last": round(float(np.mean(r["last"][which])), 4),
                           "move": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)],
-                          "up_down": [sum(x > 0 for x in moves(r, which)), sum(x < 0 for x in moves(r, which))]}
+                          "up_down": [sum(x > 0 for x in ms), sum(x < 0 for x in ms)]}
         levels = r["fresh_levels"]
         row["fresh_by_level"] = {
             str(lv): round(float(np.mean([d for d, L in zip(moves(r, "fresh"), levels) if L == lv])), 4)
             for lv in sorted(set(levels))}
+        m, lo, hi = mixed_bootstrap([r], rng)
+        row["held_out_mix"] = {"move": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)]}
         table["per_seed"].append(row)
         h, f = row["held_out"], row["fresh"]
-        same = "the same" if [h["ref"], h["last"]] == row["stage_check"] else f"NOT the stage's {row['stage_check']}"
+        same = "as in plots/sft.csv" if row["reproduces_stage_check"] else f"NOT plots/sft.csv's {stage}"
         print(f"  seed {r['seed']}: steps {r['ref_step']} -> {r['last_step']}")
-        print(f"    held-out ({h['n']}): {100 * h['ref']:.1f}% -> {100 * h['last']:.1f}%  move {100 * h['move']:+.1f} "
-              f"[{100 * h['ci95'][0]:+.1f}, {100 * h['ci95'][1]:+.1f}]  ({same} as plots/sft.csv)")
-        print(f"    fresh ({f['n']}):    {100 * f['ref']:.1f}% -> {100 * f['last']:.1f}%  move {100 * f['move']:+.1f} "
-              f"[{100 * f['ci95'][0]:+.1f}, {100 * f['ci95'][1]:+.1f}]  problems up / down {f['up_down']}; "
-              f"by level {', '.join(f'{k}: {100 * v:+.1f}' for k, v in row['fresh_by_level'].items())}")
+        print(f"    held-out ({h['n']}): {100 * h['ref']:.1f}% -> {100 * h['last']:.1f}%  move "
+              f"{pct(h['move'], *h['ci95'])}  ({same})")
+        print(f"    fresh ({f['n']}, levels {min(levels)}-{max(levels)}): {100 * f['ref']:.1f}% -> "
+              f"{100 * f['last']:.1f}%  move {pct(f['move'], *f['ci95'])}; problems up / down {f['up_down']}; by level "
+              f"{', '.join(f'{k}: {100 * v:+.1f}' for k, v in row['fresh_by_level'].items())}")
+        print(f"    on the held-out set's level mix (its level 1, the fresh set's others): "
+              f"{pct(row['held_out_mix']['move'], *row['held_out_mix']['ci95'])}")
     for which in ("held_out", "fresh"):
         m, lo, hi = bootstrap([moves(r, which) for r in results], rng)
         table[f"mean_{which}"] = {"move": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)]}
-        print(f"  mean move over seeds, {which}: {100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+    m, lo, hi = mixed_bootstrap(results, rng)
+    table["mean_held_out_mix"] = {"move": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)]}
+    few = " (seeds, then problems, resampled: with few seeds too narrow an interval)" if len(results) > 1 else ""
+    print(f"  mean move over seeds{few}:")
+    for which in ("held_out", "fresh", "held_out_mix"):
+        t = table[f"mean_{which}"]
+        print(f"    {which:12s} {pct(t['move'], *t['ci95'])}")
     return table
 
 
@@ -269,6 +351,10 @@ def main() -> None:
         results = [json.loads(p.read_text()) for p in sorted(work.glob("seed-*/plateau.json"))]
         if not results:
             raise SystemExit(f"no finished seed under {work}")
+        for r in results:  # files written before the held-out levels were stored
+            if "held_out_levels" not in r:
+                held = read_rows(work / "prepared" / "data" / "arith_eval.jsonl")[: len(r["ref"]["held_out"])]
+                r["held_out_levels"] = [h["level"] for h in held]
     else:
         data = prepare(work, args.params, args.gsm8k or default_gsm8k(), overrides)
         results = [train_seed(work, args.params, data, s, overrides, args.problems) for s in args.seeds]

@@ -249,6 +249,18 @@ def test_sft_loss_decreases_and_is_deterministic(workdir):
     assert [float(r["loss"]) for r in read_csv(Path("plots/sft.csv"))] == losses
 
 
+def test_resume_states_change_no_bit_of_the_run(workdir):
+    """Writing a resumable state (weights, AdamW, RNGs, batch order) at every step changes nothing the run
+    computes: it ends with the weights and series of a run that writes none (bench/plateau.py relies on it)."""
+    sft.run_sft(smoke_config("sft.save_every=1000"))
+    weights, series = Path("checkpoints/sft/model.safetensors").read_bytes(), Path("plots/sft.csv").read_text()
+    shutil.rmtree("checkpoints")
+    Path("plots/sft.csv").unlink()
+    sft.run_sft(smoke_config("sft.save_every=1", "sft.keep_last=30"))
+    assert Path("checkpoints/sft/model.safetensors").read_bytes() == weights
+    assert Path("plots/sft.csv").read_text() == series
+
+
 def test_killed_sft_resumes_bit_identically(workdir, monkeypatch, caplog):
     """A run stopped right after its resume state at step 12 and run again ends with the weights
     and series of an uninterrupted run, bit for bit (CPU): weights, AdamW moments, torch RNG and the

@@ -2,14 +2,18 @@
 round-robin), the checkpoint keeper, and the per-problem moves and their report."""
 
 import random
-import threading
+import shutil
 import time
+
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.plateau import Keeper, expression_of, fresh_rows, greedy_correct_rows, moves, reference_step, report
+from bench.learning import plateau_move
+from bench.plateau import (Keeper, budget, expression_of, fresh_rows, greedy_correct_rows, moves, reference_step,
+                           report, stored_key)
 from pipeline.data.arithmetic import MAX_LEVEL, PHRASINGS, sample_problem, to_row
 from pipeline.rewards.parsing import extract_answer
 
@@ -21,6 +25,19 @@ def test_reference_step_is_the_check_nearest_80_percent():
     assert reference_step(1000, 300) == 900  # checks 300, 600, 900: 900 is nearest 800
     with pytest.raises(SystemExit):
         reference_step(400, 500)  # no check before the end
+    with pytest.raises(SystemExit, match="eval_every"):
+        reference_step(400, 0)
+
+
+@given(st.integers(2, 5000), st.integers(1, 1000))
+def test_reference_step_is_the_check_bench_learning_compares(steps, every):
+    """The same check as bench/learning.py's plateau_move reads off plots/sft.csv (checks at every
+    `every` steps and at the end)."""
+    checks = list(range(every, steps, every))
+    if not checks:
+        return
+    curve = [(c, float(c)) for c in checks] + [(steps, float(steps))]
+    assert plateau_move(curve) == steps - reference_step(steps, every)
 
 
 @given(st.integers(1, MAX_LEVEL), st.integers(0, 2**32 - 1))
@@ -62,36 +79,61 @@ def test_fresh_rows_stop_when_a_level_runs_out():
         fresh_rows(all_level2, 3, 2, "{question}", "digits")
 
 
-def test_keeper_copies_the_folder_once_it_appears(tmp_path):
+def checkpoint_folder(folder, key, weights=b"weights"):
+    """A resumable-checkpoint look-alike, written whole under a temporary name and renamed, as they are."""
+    from pipeline.checkpoint_manifest import TRAIN_JSON
+
+    tmp = folder.with_name(folder.name + ".writing")
+    tmp.mkdir(parents=True)
+    (tmp / "model.safetensors").write_bytes(weights)
+    (tmp / TRAIN_JSON).write_text(f'{{"extra": {{"key": "{key}", "state": {{}}}}}}')
+    return tmp
+
+
+def wait_for(path, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_keeper_copies_the_folder_of_its_key_once_it_appears(tmp_path):
     src, dst = tmp_path / "resume" / "step_000250", tmp_path / "kept"
-
-    def appear():
-        time.sleep(0.3)
-        tmp = src.with_name("tmp")
-        tmp.mkdir(parents=True)
-        (tmp / "model.safetensors").write_bytes(b"weights")
-        tmp.rename(src)  # as checkpoints appear: whole
-
-    t = threading.Thread(target=appear)
-    with Keeper(src, dst, poll_s=0.05):
-        t.start()
-        t.join()
-        deadline = time.monotonic() + 5
-        while not dst.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-    assert (dst / "model.safetensors").read_bytes() == b"weights"
+    with Keeper(src, dst, "k1", poll_s=0.02):
+        time.sleep(0.1)
+        checkpoint_folder(src, "k1").rename(src)
+        wait_for(dst)
+    assert (dst / "model.safetensors").read_bytes() == b"weights" and stored_key(dst) == "k1"
     assert not dst.with_name("kept.tmp").exists()
 
 
-def test_keeper_leaves_nothing_when_the_folder_never_appears(tmp_path):
-    with Keeper(tmp_path / "never", tmp_path / "kept", poll_s=0.01):
-        time.sleep(0.05)
-    assert not (tmp_path / "kept").exists()
+def test_keeper_ignores_a_folder_left_by_other_params(tmp_path):
+    """A resume state of other params or data (another key), which the stage ignores, is not kept either;
+    the stage's own state at that step, written later, is."""
+    src, dst = tmp_path / "resume" / "step_000250", tmp_path / "kept"
+    checkpoint_folder(src, "old", b"stale").rename(src)
+    with Keeper(src, dst, "new", poll_s=0.02):
+        time.sleep(0.2)
+        assert not dst.exists()
+        shutil.rmtree(src)
+        checkpoint_folder(src, "new", b"fresh").rename(src)
+        wait_for(dst)
+    assert (dst / "model.safetensors").read_bytes() == b"fresh"
+
+
+def test_keeper_raises_what_went_wrong_while_copying(tmp_path):
+    src, dst = tmp_path / "resume" / "step_000250", tmp_path / "kept"
+    tmp = checkpoint_folder(src, "k")
+    (tmp / "dangling").symlink_to(tmp_path / "nowhere")  # copytree follows links: this one fails
+    tmp.rename(src)
+    with pytest.raises(SystemExit, match="copying .*step_000250"):
+        with Keeper(src, dst, "k", poll_s=0.02):
+            time.sleep(0.3)
+    assert not dst.exists()
 
 
 def test_moves_and_report_are_paired_per_problem():
     result = {"seed": 0, "ref_step": 3600, "last_step": 4500, "sft_curve": [[3600, 0.5], [4500, 0.5]],
-              "fresh_levels": [2, 3, 2, 3],
+              "held_out_levels": [1, 1, 2, 3], "fresh_levels": [2, 3, 2, 3],
               "ref": {"held_out": [1, 0, 1, 0], "fresh": [1, 1, 0, 0]},
               "last": {"held_out": [0, 1, 1, 0], "fresh": [1, 1, 1, 1]}}
     assert moves(result, "held_out") == [-1, 1, 0, 0]
@@ -105,6 +147,11 @@ def test_moves_and_report_are_paired_per_problem():
     low, high = seed["held_out"]["ci95"]
     assert -1 <= low < 0 < high <= 1  # one up, one down: an interval around no move
     assert table["mean_fresh"]["move"] == 0.5
+    assert seed["reproduces_stage_check"]
+    # the held-out mix: half level 1 (its two problems moved -1 and +1: 0) and half the fresh move (+0.5)
+    assert seed["held_out_mix"]["move"] == pytest.approx(0.25)
+    result["sft_curve"] = [[3600, 0.75], [4500, 0.5]]  # a stage check the kept checkpoint does not reproduce
+    assert not report([result])["per_seed"][0]["reproduces_stage_check"]
 
 
 @pytest.fixture
@@ -155,3 +202,20 @@ def test_greedy_rows_are_the_stage_check_row_by_row(gpt_policy):
     assert sum(expected) >= 5  # the tiny model writes numbers, so there is something to match
     assert greedy_correct_rows(policy, rows, 12) == expected
     assert sum(expected) == greedy_correct(policy, rows, 12)
+
+
+def test_budget_is_the_sft_checks_own(tmp_path, monkeypatch):
+    """The generation budget of the held-out problems is the one the SFT stage's check uses."""
+    from pipeline.config_loading import load_config
+    from pipeline.stages import sft
+    from pipeline.stages.prepare import run_prepare
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"data.gsm8k_source={root / 'tests' / 'fixtures' / 'gsm8k'}", "sft.eval_samples=8"]
+    cfg = load_config(root / "configs" / "smoke.yaml", overrides)
+    run_prepare(cfg)
+    run = sft.setup(cfg, "sft")
+    assert budget(run.tok, run.eval_rows, cfg.model.block_size) == run.max_new
+    assert budget(run.tok, run.eval_rows, 40) == max(1, 40 - max(len(t) for t in run.tok.encode_batch(
+        [r["prompt"] for r in run.eval_rows])))  # a small context caps it
