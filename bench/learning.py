@@ -208,15 +208,42 @@ def report(results: list[dict]) -> dict:
     return table
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", type=Path, help="working folder (kept: finished seeds are reused)")
+def add_seed_args(ap: argparse.ArgumentParser, work_required: bool) -> None:
+    """The flags of a bench that trains seeds in a working folder (this one, bench/plateau.py)."""
+    ap.add_argument("--work", type=Path, required=work_required,
+                    help="working folder (kept: finished seeds are reused)")
     ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
     ap.add_argument("--gsm8k", default=None, help="local GSM8K folder (default: $GSM8K, else datasets/gsm8k)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--jobs", type=int, default=1, help="seeds at a time")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--report", action="store_true", help="only report the seeds already finished")
+
+
+def bench_overrides(args: argparse.Namespace) -> list[str]:
+    """The stages' overrides (no tracking, one thread per process, then the user's `--set`s), with this
+    process's CPU kernels pinned as the stages' CLI pins them (`model.cpu_kernels`), so the bench's own
+    scoring computes as the stages do; a bad param or a pin this CPU lacks exits with its one line."""
+    from pipeline.cli import exit_status
+    from pipeline.config_loading import load_config
+    from pipeline.kernels import apply as pin_cpu_kernels
+
+    overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
+
+    def pin() -> int:
+        pin_cpu_kernels(load_config(args.params, overrides).model.cpu_kernels)
+        return 0
+
+    code = exit_status(pin)
+    if code:
+        sys.exit(code)
+    print(machine_line(1))
+    return overrides
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_seed_args(ap, work_required=False)
+    ap.add_argument("--jobs", type=int, default=1, help="seeds at a time")
     ap.add_argument("--rescore", action="store_true",
                     help="with --report: score the finished seeds' checkpoints again (and keep the new scores)")
     ap.add_argument("--run", type=Path, default=None,
@@ -230,20 +257,7 @@ def main() -> None:
         ap.error("--report reads the seeds under --work")
     if args.rescore and not args.report:
         ap.error("--rescore goes with --report (it scores the finished seeds under --work again)")
-    overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
-    # the bench's own scoring computes with the kernels the stages' CLI pins (model.cpu_kernels)
-    from pipeline.cli import exit_status
-    from pipeline.config_loading import load_config
-    from pipeline.kernels import apply as pin_cpu_kernels
-
-    def pin() -> int:
-        pin_cpu_kernels(load_config(args.params, overrides).model.cpu_kernels)
-        return 0
-
-    code = exit_status(pin)
-    if code:  # a bad param or a pin this CPU lacks: its one line is printed
-        sys.exit(code)
-    print(machine_line(1))
+    overrides = bench_overrides(args)
     if args.run is not None and not args.report:
         results = [scored_run(args.run)]
     elif args.report:

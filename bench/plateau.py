@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, emit, machine_line  # noqa: E402
-from learning import bootstrap, prepare, run_stage, sft_curve  # noqa: E402
+from common import default_gsm8k, emit  # noqa: E402
+from learning import add_seed_args, bench_overrides, bootstrap, prepare, run_stage, sft_curve  # noqa: E402
 
 from pipeline.files import read_rows, write_bytes_atomic  # noqa: E402
 from pipeline.lock import workspace_lock  # noqa: E402
@@ -322,30 +322,12 @@ def report(results: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", type=Path, required=True, help="working folder (kept: finished seeds are reused)")
-    ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
-    ap.add_argument("--gsm8k", default=None, help="local GSM8K folder (default: $GSM8K, else datasets/gsm8k)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_seed_args(ap, work_required=True)
     ap.add_argument("--problems", type=int, default=2400, help="fresh problems (levels 2..max, round-robin)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    ap.add_argument("--report", action="store_true", help="only report the seeds already finished")
     args = ap.parse_args()
     if args.problems < 1:
         ap.error("--problems must be at least 1")
-    overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
-    from common import default_gsm8k
-    from pipeline.cli import exit_status
-    from pipeline.config_loading import load_config
-    from pipeline.kernels import apply as pin_cpu_kernels
-
-    def pin() -> int:  # the scoring computes with the kernels the stages' CLI pins (model.cpu_kernels)
-        pin_cpu_kernels(load_config(args.params, overrides).model.cpu_kernels)
-        return 0
-
-    code = exit_status(pin)
-    if code:
-        sys.exit(code)
-    print(machine_line(1))
+    overrides = bench_overrides(args)
     work = args.work.resolve()
     if args.report:
         results = [json.loads(p.read_text()) for p in sorted(work.glob("seed-*/plateau.json"))]
