@@ -143,35 +143,13 @@ def fresh_rows(used: set[str], n: int, max_level: int, template: str, style: str
     return rows
 
 
-def greedy_correct_rows(policy, rows: list[dict[str, Any]], max_new: int) -> list[int]:
-    """0/1 per row: the stage's check (`pipeline.generation.greedy_correct`) row by row."""
-    from pipeline.generation import EVAL_BATCH
-    from pipeline.rewards.parsing import extract_answer
-    from pipeline.rewards.verifiers import answers_match
-    from pipeline.rollout import rollout_prompts
-
-    out = []
-    for s in range(0, len(rows), EVAL_BATCH):
-        batch = rows[s:s + EVAL_BATCH]
-        ro = rollout_prompts(policy, [r["prompt"] for r in batch], 1, max_new, greedy=True)
-        out += [int(answers_match(extract_answer(t), r["gold"])) for t, r in zip(ro.texts, batch)]
-    return out
-
-
-def budget(tok, rows: list[dict[str, Any]], block_size: int) -> int:
-    """The SFT check's generation budget for `rows` (pipeline.stages.sft: longest solution + 8)."""
-    from pipeline.data.prompts import response_text
-
-    prompt = max(len(p) for p in tok.encode_batch([r["prompt"] for r in rows]))
-    resp = max(len(r) for r in tok.encode_batch([response_text(r["solution"]) for r in rows]))
-    return max(1, min(resp + 8, block_size - prompt))
-
-
 def score(folder: Path, cfg, ref: int, n_fresh: int) -> dict[str, Any]:
     """Each set's per-problem greedy correctness of the kept checkpoint and the final one."""
     import torch
 
     from pipeline.checkpoint import load_policy
+    from pipeline.generation import greedy_correct_rows
+    from pipeline.stages.sft import check_budget
 
     data = folder / "data"
     held = read_rows(data / "arith_eval.jsonl")[: cfg.sft.eval_samples]
@@ -180,11 +158,11 @@ def score(folder: Path, cfg, ref: int, n_fresh: int) -> dict[str, Any]:
     fresh = fresh_rows(used, n_fresh, cfg.data.arith_max_level, cfg.data.prompt_template, cfg.data.arith_solution)
     torch.set_num_threads(1)
     out: dict[str, Any] = {"held_out_levels": [r["level"] for r in held], "fresh_levels": [r["level"] for r in fresh]}
+    block = cfg.model.block_size
     for name, path in (("ref", folder / "checkpoints" / f"sft_at_{ref}"), ("last", folder / "checkpoints" / "sft")):
         policy = load_policy(path, device="cpu").eval()
-        block = cfg.model.block_size
-        out[name] = {"held_out": greedy_correct_rows(policy, held, budget(policy.tokenizer, held, block)),
-                     "fresh": greedy_correct_rows(policy, fresh, budget(policy.tokenizer, fresh, block))}
+        out[name] = {"held_out": greedy_correct_rows(policy, held, check_budget(policy.tokenizer, held, block)),
+                     "fresh": greedy_correct_rows(policy, fresh, check_budget(policy.tokenizer, fresh, block))}
     return out
 
 

@@ -17,14 +17,19 @@ from pipeline.rollout import rollout_prompts
 EVAL_BATCH = 64  # prompts per greedy generation batch of `greedy_accuracy`
 
 
-def greedy_correct(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> int:
-    """How many of `rows` have a greedy completion whose `<answer>` matches the gold number."""
-    correct = 0
+def greedy_correct_rows(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> list[int]:
+    """1 for each of `rows` whose greedy completion's `<answer>` matches the gold number, else 0; in order."""
+    out: list[int] = []
     for s in range(0, len(rows), EVAL_BATCH):
         batch = rows[s:s + EVAL_BATCH]
         ro = rollout_prompts(policy, [r["prompt"] for r in batch], 1, max_new_tokens, greedy=True)
-        correct += sum(answers_match(extract_answer(t), r["gold"]) for t, r in zip(ro.texts, batch))
-    return correct
+        out += [int(answers_match(extract_answer(t), r["gold"])) for t, r in zip(ro.texts, batch)]
+    return out
+
+
+def greedy_correct(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> int:
+    """How many of `rows` have a greedy completion whose `<answer>` matches the gold number."""
+    return sum(greedy_correct_rows(policy, rows, max_new_tokens))
 
 
 def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> float | None:

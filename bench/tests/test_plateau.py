@@ -12,8 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.learning import plateau_move
-from bench.plateau import (Keeper, budget, expression_of, fresh_rows, greedy_correct_rows, moves, reference_step,
-                           report, stored_key)
+from bench.plateau import Keeper, expression_of, fresh_rows, moves, reference_step, report, stored_key
 from pipeline.data.arithmetic import MAX_LEVEL, PHRASINGS, sample_problem, to_row
 from pipeline.rewards.parsing import extract_answer
 
@@ -188,7 +187,7 @@ def gpt_policy():
 def test_greedy_rows_are_the_stage_check_row_by_row(gpt_policy):
     """Per row, in order, what the SFT stage's own held-out check counts (pipeline.generation.greedy_correct):
     golds are set from the policy's own greedy answers on even rows and to an unreachable value on odd ones."""
-    from pipeline.generation import EVAL_BATCH, generate, greedy_correct
+    from pipeline.generation import EVAL_BATCH, generate, greedy_correct, greedy_correct_rows
 
     rng, policy = random.Random(3), gpt_policy.eval()
     rows = [to_row(sample_problem(1, rng), f"r{i}", rng, "Question: {question}\nAnswer:")
@@ -205,10 +204,12 @@ def test_greedy_rows_are_the_stage_check_row_by_row(gpt_policy):
 
 
 def test_budget_is_the_sft_checks_own(tmp_path, monkeypatch):
-    """The generation budget of the held-out problems is the one the SFT stage's check uses."""
+    """The held-out check's generation budget (pipeline.stages.sft.check_budget) is what the stage uses, and a
+    small context caps it."""
     from pipeline.config_loading import load_config
     from pipeline.stages import sft
     from pipeline.stages.prepare import run_prepare
+    from pipeline.stages.sft import check_budget as budget
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)

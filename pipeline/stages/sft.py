@@ -350,16 +350,21 @@ def setup(cfg: Config, stage: str = "sft") -> SFTRun:
     if s.arith_fraction == 1:
         gsm = []
     batches = MixedBatches(arith, gsm, s.batch_size, s.arith_fraction, s.seed)
-    # Room for the longest held-out response plus slack; generation also stops at `</answer>`.
-    eval_prompt = max((len(p) for p in tok.encode_batch([r["prompt"] for r in eval_rows])), default=0)
-    eval_resp = max((len(r) for r in tok.encode_batch([response_text(r["solution"]) for r in eval_rows])), default=0)
-    max_new = max(1, min(eval_resp + 8, cfg.model.block_size - eval_prompt))
+    max_new = check_budget(tok, eval_rows, cfg.model.block_size)
     policy = start if start is not None else build_policy(cfg.model, tok)
     dist_utils.use_device(policy.device)  # NCCL collectives need tensors on the GPU
     optimizer = build_optimizer(policy.module, s.lr, s.weight_decay)
     ckpt = Path(CHECKPOINT_DIR)
     return SFTRun(cfg, stage, s, ckpt / stage, Path(PLOTS_DIR) / f"{stage}.csv", ckpt / f"{stage}.resume", tok,
                   batches, val, eval_rows, max_new, dropped_a + dropped_g, policy, optimizer, rank, world)
+
+
+def check_budget(tok, rows: list[dict[str, Any]], block_size: int) -> int:
+    """The held-out check's generation budget: room for the longest worked response of `rows` plus
+    slack (generation also stops at `</answer>`), within the context left by their longest prompt."""
+    prompt = max((len(p) for p in tok.encode_batch([r["prompt"] for r in rows])), default=0)
+    resp = max((len(r) for r in tok.encode_batch([response_text(r["solution"]) for r in rows])), default=0)
+    return max(1, min(resp + 8, block_size - prompt))
 
 
 def compatibility_key(cfg: Config, stage: str = "sft") -> str:
