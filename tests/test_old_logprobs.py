@@ -99,8 +99,10 @@ def test_an_iteration_moves_the_weights_as_with_a_recomputed_pass(grpo_workdir, 
         assert metrics["informative"] > 0
         moved.append({k: v - before[k] for k, v in run.policy.state_dict().items()})
     assert max(float(d.abs().max()) for d in moved[0].values()) > 1e-2  # the steps really moved the weights
-    # AdamW divides by the root of the squared-gradient average, so a gradient near 0 carries ~1e-7
-    # rounding into its update at ~1e-6: 1e-5 is 0.1% of the largest move (a wrong or shifted old
-    # tensor moves the weights by ~1e-2)
+    # AdamW divides by the root of the squared-gradient average, so an element whose gradient is
+    # near 0 moves by about the learning rate whatever its gradient's size, and the fp32 rounding of
+    # that small gradient becomes a relative error of its move: up to 4e-4 on one Intel AVX512 CPU
+    # (1.1e-5 on a move of 0.029). Each move agrees to 0.1% of itself (or 1e-5); an old tensor shifted
+    # by one token, or 1% off, misses that on thousands of elements, by 4e-2 to 8e-2.
     for k in moved[0]:
-        torch.testing.assert_close(moved[0][k], moved[1][k], atol=1e-5, rtol=0)
+        torch.testing.assert_close(moved[0][k], moved[1][k], atol=1e-5, rtol=1e-3)
