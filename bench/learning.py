@@ -139,7 +139,27 @@ def scored_run(folder: Path) -> dict:
     for stage in STAGES:
         with open(folder / "reports" / f"predictions_{stage}_arith.csv") as f:
             out[stage] = [int(r["correct"] in ("True", "1", "true")) for r in csv.DictReader(f)]
-    return {"seed": "run", "correct": out, "sft_curve": sft_curve(folder), "wall_s": {}}
+    return {"seed": "run", "correct": out, "sft_curve": sft_curve(folder), "wall_s": {},
+            "stage_seeds": run_seeds(folder)}
+
+
+def run_seeds(folder: Path) -> list[int] | None:
+    """The training stages' seeds of a pipeline run, as :func:`seed_sets` names them (from its
+    ``params.yaml``); None where the file or a seed is missing."""
+    import yaml
+
+    try:
+        params = yaml.safe_load((folder / "params.yaml").read_text()) or {}
+        return [int(params[s.split(".")[0]]["seed"]) for s in seed_sets(0)]
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+def counted_twice(seeds: list[dict], run: dict) -> int | None:
+    """The seed under --work whose stage seeds the run also has (the same seed counted twice), or None."""
+    if run.get("stage_seeds") is None:
+        return None
+    return next((r["seed"] for r in seeds if run["stage_seeds"] == [r["seed"]] * len(run["stage_seeds"])), None)
 
 
 def sft_curve(folder: Path) -> list[tuple[int, float]]:
@@ -269,7 +289,12 @@ def main() -> None:
                 r["correct"] = score(folder, r.get("overrides") or [*overrides, *seed_sets(r["seed"])])
                 write_bytes_atomic(folder / "scores.json", json.dumps(r).encode())
         if args.run is not None:  # a pipeline run beside the seeds (its own seed: the params')
-            results.append(scored_run(args.run))
+            run = scored_run(args.run)
+            twice = counted_twice(results, run)
+            if twice is not None:
+                raise SystemExit(f"{args.run / 'params.yaml'}: the run's seeds are those of seed-{twice} under "
+                                 f"{args.work}; one seed would count twice in the mean (leave out --run or that seed)")
+            results.append(run)
     else:
         args.work = args.work.resolve()  # the stages run with their seed's folder as working directory
         data = prepare(args.work, args.params, args.gsm8k or default_gsm8k(), overrides)

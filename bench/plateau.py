@@ -226,23 +226,30 @@ def moves(result: dict, which: str) -> list[int]:
 def mixed_bootstrap(results: list[dict], rng, draws: int = 10_000) -> tuple[float, float, float]:
     """(mean, 95% low, 95% high) of the move on the held-out set's level mix: level 1 from the held-out
     problems (the fresh set has none), the other levels from the fresh problems, weighted by the
-    held-out set's share of level 1. Seeds resampled, then each stratum's problems."""
+    held-out set's share of level 1. Each stratum's problems resampled once per draw, the same draw for
+    every seed (the seeds are scored on the same problems, as in `bench/learning.py`'s `bootstrap`),
+    then the seeds."""
     import numpy as np
 
-    per_seed = []
-    for r in results:
+    def strata(r: dict) -> tuple[float, np.ndarray, np.ndarray]:
         w1 = sum(L == 1 for L in r["held_out_levels"]) / len(r["held_out_levels"])
         one = np.asarray([d for d, L in zip(moves(r, "held_out"), r["held_out_levels"]) if L == 1] or [0], float)
-        rest = np.asarray(moves(r, "fresh"), float)
-        point = w1 * one.mean() + (1 - w1) * rest.mean()
-        boot = (w1 * one[rng.integers(0, len(one), (draws, len(one)))].mean(axis=1)
-                + (1 - w1) * rest[rng.integers(0, len(rest), (draws, len(rest)))].mean(axis=1))
-        per_seed.append((point, boot))
-    seeds = rng.integers(0, len(per_seed), (draws, len(per_seed)))
-    boots = np.stack([b for _, b in per_seed])  # (seeds, draws)
+        return w1, one, np.asarray(moves(r, "fresh"), float)
+
+    parts = [strata(r) for r in results]
+    shapes = {(w1, len(one), len(rest)) for w1, one, rest in parts}
+    if len(shapes) != 1:
+        raise ValueError(f"seeds scored on different problem sets (level-1 share, level-1 and fresh counts: "
+                         f"{sorted(shapes)}); a mean over seeds needs the same problems for every seed")
+    _, n_one, n_rest = shapes.pop()
+    one_draw = rng.integers(0, n_one, (draws, n_one))
+    rest_draw = rng.integers(0, n_rest, (draws, n_rest))
+    points = [w1 * one.mean() + (1 - w1) * rest.mean() for w1, one, rest in parts]
+    boots = np.stack([w1 * one[one_draw].mean(axis=1) + (1 - w1) * rest[rest_draw].mean(axis=1)
+                      for w1, one, rest in parts])  # (seeds, draws): each seed on each problem draw
+    seeds = rng.integers(0, len(parts), (draws, len(parts)))
     stats = np.sort(boots[seeds, np.arange(draws)[:, None]].mean(axis=1))
-    return (float(np.mean([p for p, _ in per_seed])), float(stats[int(0.025 * draws)]),
-            float(stats[int(0.975 * draws) - 1]))
+    return float(np.mean(points)), float(stats[int(0.025 * draws)]), float(stats[int(0.975 * draws) - 1])
 
 
 def report(results: list[dict]) -> dict:

@@ -92,8 +92,8 @@ def test_stage_metrics_with_sampling_keys():
 
 def test_wilson_interval_hand_computed():
     # 7 of 10, z = 1.96: centre (0.7 + 0.19208) / 1.38415 = 0.64450,
-    # half 1.96 * sqrt(0.021 + 0.00096) / 1.38415 = 0.20986
-    assert ev.wilson_interval(7, 10) == pytest.approx((0.39676, 0.89215), abs=1e-4)
+    # half 1.96 * sqrt(0.021 + 3.8415 / 400) / 1.38415 = 1.96 * 0.174940 / 1.38415 = 0.24772
+    assert ev.wilson_interval(7, 10) == pytest.approx((0.39678, 0.89222), abs=2e-5)
     # 0 of 20 still has width: the upper end is z^2 / (n + z^2) = 3.8415 / 23.8415
     assert ev.wilson_interval(0, 20) == pytest.approx((0.0, 0.16113), abs=1e-4)
     assert ev.wilson_interval(20, 20) == pytest.approx((0.83887, 1.0), abs=1e-4)

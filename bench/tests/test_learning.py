@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from bench.learning import bootstrap, plateau_move, report, scored_run
+from bench.learning import bootstrap, counted_twice, plateau_move, report, run_seeds, scored_run
 
 
 def test_plateau_move_compares_the_last_check_with_the_one_nearest_80_percent():
@@ -32,6 +32,36 @@ def test_bootstrap_covers_the_truth_of_a_known_coin():
         _, low, high = bootstrap(seeds, np.random.default_rng(rng.randrange(2**32)), draws=1000)
         hits += low <= 0.6 <= high
     assert hits >= 0.85 * trials
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bootstrap_is_a_95_percent_interval(seed):
+    """One seed of 2,000 problems, 1,200 right: the interval's width is the normal 2 x 1.96 standard
+    errors (a 90% interval would be 16% narrower, a 99% one 31% wider)."""
+    problems = [1] * 1200 + [0] * 800
+    mean, low, high = bootstrap([problems], np.random.default_rng(seed))
+    assert mean == pytest.approx(0.6)
+    assert high - low == pytest.approx(2 * 1.96 * (0.6 * 0.4 / 2000) ** 0.5, rel=0.06)
+    assert low < 0.6 < high and abs((0.6 - low) - (high - 0.6)) < 0.004
+
+
+def test_bootstrap_resamples_the_seeds():
+    """Seeds that differ while each seed's problems agree: only the resampling of seeds gives width. The
+    mean of three draws from {0.2, 0.5, 0.8} is 0.2 with probability 1/27 > 2.5%, so the interval is
+    exactly [0.2, 0.8]; without resampling the seeds it would be the point 0.5."""
+    mean, low, high = bootstrap([[0.2] * 10, [0.5] * 10, [0.8] * 10], np.random.default_rng(0))
+    assert (mean, low, high) == pytest.approx((0.5, 0.2, 0.8))
+
+
+def test_a_run_with_a_seed_already_under_work_is_caught(tmp_path):
+    (tmp_path / "params.yaml").write_text("sft:\n  seed: 1\nwarmup:\n  seed: 1\ncontrol:\n  seed: 1\n")
+    assert run_seeds(tmp_path) == [1, 1, 1]
+    run = {"seed": "run", "stage_seeds": run_seeds(tmp_path)}
+    assert counted_twice([{"seed": 1}, {"seed": 2}], run) == 1
+    assert counted_twice([{"seed": 0}, {"seed": 2}], run) is None
+    (tmp_path / "params.yaml").write_text("sft:\n  seed: 1\nwarmup:\n  seed: 3\ncontrol:\n  seed: 1\n")
+    assert counted_twice([{"seed": 1}], {"stage_seeds": run_seeds(tmp_path)}) is None  # another seed set
+    assert run_seeds(tmp_path / "missing") is None
 
 
 def test_a_finished_run_is_reported_paired_from_its_predictions(tmp_path):

@@ -7,12 +7,14 @@ import time
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.learning import plateau_move
-from bench.plateau import Keeper, expression_of, fresh_rows, moves, reference_step, report, stored_key
+from bench.plateau import (Keeper, expression_of, fresh_rows, mixed_bootstrap, moves, reference_step, report,
+                           stored_key)
 from pipeline.data.arithmetic import MAX_LEVEL, PHRASINGS, sample_problem, to_row
 from pipeline.rewards.parsing import extract_answer
 
@@ -151,6 +153,41 @@ def test_moves_and_report_are_paired_per_problem():
     assert seed["held_out_mix"]["move"] == pytest.approx(0.25)
     result["sft_curve"] = [[3600, 0.75], [4500, 0.5]]  # a stage check the kept checkpoint does not reproduce
     assert not report([result])["per_seed"][0]["reproduces_stage_check"]
+
+
+def _seed_result(seed: int, held_moves: list[int], fresh_moves: list[int]) -> dict:
+    """A result whose final checkpoint moved by `*_moves` per problem (the 80% one got every problem wrong
+    where the move is 0 or +1, right where it is -1)."""
+    def pair(ms):
+        return [int(m < 0) for m in ms], [int(m < 0) + m for m in ms]
+    (hr, hl), (fr, fl) = pair(held_moves), pair(fresh_moves)
+    n = len(held_moves)
+    return {"seed": seed, "held_out_levels": [1] * (n // 2) + [2] * (n - n // 2),
+            "ref": {"held_out": hr, "fresh": fr}, "last": {"held_out": hl, "fresh": fl}}
+
+
+def test_the_mix_over_identical_seeds_is_the_one_seed_interval():
+    """Seeds scored on the same problems share each problem draw: three copies of one seed's result give
+    exactly its interval (resampling each seed's problems apart would shrink it by about sqrt(3))."""
+    one = _seed_result(0, [1, 0, -1, 1, 0, 0, 1, -1], [1, 0, 0, -1, 1, 1, 0, 0, 1, 0, -1, 0])
+    alone = mixed_bootstrap([one], np.random.default_rng(5))
+    assert alone[0] == pytest.approx(0.5 * 0.25 + 0.5 * (2 / 12))  # level 1: (1 + 0 - 1 + 1) / 4
+    assert alone[1] < alone[0] < alone[2]
+    copies = mixed_bootstrap([one, {**one, "seed": 1}, {**one, "seed": 2}], np.random.default_rng(5))
+    assert copies == pytest.approx(alone, abs=1e-12)
+
+
+def test_the_mix_over_seeds_resamples_the_seeds():
+    """Each seed's every problem moved alike (-1, 0, +1): only the seeds vary, and the mean of three draws
+    from them is -1 with probability 1/27 > 2.5%: the interval is [-1, 1]."""
+    results = [_seed_result(s, [m] * 4, [m] * 6) for s, m in enumerate((-1, 0, 1))]
+    assert mixed_bootstrap(results, np.random.default_rng(0)) == pytest.approx((0.0, -1.0, 1.0))
+
+
+def test_the_mix_over_seeds_needs_the_same_problems():
+    with pytest.raises(ValueError, match="different problem sets"):
+        mixed_bootstrap([_seed_result(0, [1, 0], [1, 0, 1]), _seed_result(1, [1, 0], [1, 0])],
+                        np.random.default_rng(0))
 
 
 @pytest.fixture
