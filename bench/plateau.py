@@ -19,9 +19,10 @@ neighbouring checks of a flat curve differ by about 3 points. For each seed this
      expressions, all of them used by those two);
 3. reports each seed's move (final minus the 80% checkpoint) on each set, with a paired bootstrap
    95% interval over the problems; the move on the held-out set's level mix (its level-1 problems,
-   a quarter of it by default, beside the fresh problems of the other levels, weighted as the
-   held-out set weighs them); and the mean over seeds with a two-level bootstrap (seeds, then
-   problems), as ``bench/learning.py`` does (with few seeds, too narrow an interval).
+   a quarter of it by default, with the held-out set's share of level 1, beside the fresh problems
+   of the other levels, which the fresh set holds in equal numbers as the default held-out set
+   does); and the mean over seeds with a two-level bootstrap (one problem draw shared by every seed,
+   then the seeds), as ``bench/learning.py`` does (with few seeds, too narrow an interval).
 
     python bench/plateau.py --seeds 0 1 2 --work runs/plateau [--problems 2400] [--gsm8k PATH] [--set k=v ...]
     python bench/plateau.py --work runs/plateau --report        # re-read finished seeds only
