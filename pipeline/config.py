@@ -114,8 +114,9 @@ class SFTConfig:
     """SFT warm start on curriculum arithmetic + GSM8K solutions"""
 
     steps: int = 4500
-    """Optimizer steps of supervised fine-tuning: on the default budget of 1,000 worked solutions (each seen
-    about 60 times) the SFT ends at its plateau, docs/results/learning.md."""
+    """Optimizer steps of supervised fine-tuning: each of the default budget's 1,000 worked solutions is seen
+    about 60 times; some seeds' SFT is still short of its plateau at 4,500 steps (6,000 reach it),
+    docs/results/learning.md."""
     batch_size: int = 16
     """Sequences per step."""
     lr: float = 3e-3
