@@ -68,9 +68,12 @@ def prepare(work: Path, params: Path, gsm8k: str, overrides: list[str]) -> Path:
     return base / "data"
 
 
+SEEDED = ("sft", "warmup", "control")  # the training stages whose own seed makes a run's seed
+
+
 def seed_sets(seed: int) -> list[str]:
     """The overrides that make a run seed `seed`: each training stage's own seed."""
-    return [f"sft.seed={seed}", f"warmup.seed={seed}", f"control.seed={seed}"]
+    return [f"{stage}.seed={seed}" for stage in SEEDED]
 
 
 def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[str]) -> dict:
@@ -144,15 +147,15 @@ def scored_run(folder: Path) -> dict:
 
 
 def run_seeds(folder: Path) -> list[int] | None:
-    """The training stages' seeds of a pipeline run, as :func:`seed_sets` names them (from its
-    ``params.yaml``); None where the file or a seed is missing."""
-    import yaml
+    """The seeds of a pipeline run's training stages (:data:`SEEDED`), as its ``params.yaml`` sets them
+    (defaults included); None where that file is missing or not valid params."""
+    from pipeline.config_loading import load_config
 
     try:
-        params = yaml.safe_load((folder / "params.yaml").read_text()) or {}
-        return [int(params[s.split(".")[0]]["seed"]) for s in seed_sets(0)]
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        cfg = load_config(folder / "params.yaml")
+    except (OSError, ValueError):  # InputError is a ValueError
         return None
+    return [getattr(cfg, stage).seed for stage in SEEDED]
 
 
 def counted_twice(seeds: list[dict], run: dict) -> int | None:
@@ -183,12 +186,20 @@ def bootstrap(per_seed: list[list[float]], rng, draws: int = BOOTSTRAP) -> tuple
     import numpy as np
 
     arr = np.asarray(per_seed, dtype=float)  # (seeds, problems)
-    n_seeds, n = arr.shape
+    n = arr.shape[1]
     problems = rng.integers(0, n, size=(draws, n))
-    means = arr[:, problems].mean(axis=2)  # (seeds, draws): each seed on each problem draw
+    return (float(arr.mean()), *over_seeds(arr[:, problems].mean(axis=2), rng))
+
+
+def over_seeds(means, rng) -> tuple[float, float]:
+    """95% (low, high) of the mean over seeds, from `means` (seeds, draws): each seed's statistic on
+    each problem draw (one draw shared by every seed); the seeds resampled with replacement per draw."""
+    import numpy as np
+
+    n_seeds, draws = means.shape
     seeds = rng.integers(0, n_seeds, size=(draws, n_seeds))
     stats = np.sort(means[seeds, np.arange(draws)[:, None]].mean(axis=1))
-    return float(arr.mean()), float(stats[int(0.025 * draws)]), float(stats[int(0.975 * draws) - 1])
+    return float(stats[int(0.025 * draws)]), float(stats[int(0.975 * draws) - 1])
 
 
 def report(results: list[dict]) -> dict:

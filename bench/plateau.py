@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_gsm8k, emit  # noqa: E402
-from learning import add_seed_args, bench_overrides, bootstrap, prepare, run_stage, sft_curve  # noqa: E402
+from learning import add_seed_args, bench_overrides, bootstrap, over_seeds, prepare, run_stage, sft_curve  # noqa: E402
 
 from pipeline.files import read_rows, write_bytes_atomic  # noqa: E402
 from pipeline.lock import workspace_lock  # noqa: E402
@@ -248,9 +248,7 @@ def mixed_bootstrap(results: list[dict], rng, draws: int = 10_000) -> tuple[floa
     points = [w1 * one.mean() + (1 - w1) * rest.mean() for w1, one, rest in parts]
     boots = np.stack([w1 * one[one_draw].mean(axis=1) + (1 - w1) * rest[rest_draw].mean(axis=1)
                       for w1, one, rest in parts])  # (seeds, draws): each seed on each problem draw
-    seeds = rng.integers(0, len(parts), (draws, len(parts)))
-    stats = np.sort(boots[seeds, np.arange(draws)[:, None]].mean(axis=1))
-    return float(np.mean(points)), float(stats[int(0.025 * draws)]), float(stats[int(0.975 * draws) - 1])
+    return (float(np.mean(points)), *over_seeds(boots, rng))
 
 
 def report(results: list[dict]) -> dict:
