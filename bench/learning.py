@@ -19,6 +19,8 @@ difference warmup - control (the same seed's checkpoints on the same problems) w
     python bench/learning.py --work runs/learning --report --rescore   # ... scoring their checkpoints again
     python bench/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
     python bench/learning.py --work runs/learning --report --run .   # the seeds and the run in one table
+    python bench/learning.py --seeds 0 1 --work runs/learning --sft-from runs/plateau [--set k=v ...]
+        # each seed's SFT taken from bench/plateau.py's work folder (checked to be this run's SFT), not trained
     # the stages' and the scoring's CPU kernels are the params' (model.cpu_kernels; native by default)
     # last line: JSON with every figure
 """
@@ -76,7 +78,49 @@ def seed_sets(seed: int) -> list[str]:
     return [f"{stage}.seed={seed}" for stage in SEEDED]
 
 
-def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[str]) -> dict:
+# SFT settings that change no bit of its run (tests/test_sft.py): when resumable checkpoints are written
+# and how many are kept. bench/plateau.py sets both; any value stands for all here.
+BITLESS_SFT = {"save_every": 1, "keep_last": 1}
+
+
+def sft_key(folder: Path, overrides: list[str]) -> str:
+    """The SFT stage's own resume key (:func:`pipeline.stages.sft.compatibility_key`: its params, the
+    model's, and the data files it reads) for `folder`'s params.yaml and data/ with `overrides`, the
+    :data:`BITLESS_SFT` settings set aside: two folders with the same key train the same SFT."""
+    import contextlib
+    import dataclasses
+
+    from pipeline.config_loading import load_config
+    from pipeline.stages.sft import compatibility_key
+
+    cfg = load_config(folder / "params.yaml", overrides)
+    cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, **BITLESS_SFT))
+    with contextlib.chdir(folder):  # the key hashes data/ as the stage sees it
+        return compatibility_key(cfg)
+
+
+def adopt_sft(source: Path, folder: Path, sets: list[str]) -> None:
+    """Take a seed's SFT (``checkpoints/sft`` and ``plots/sft.csv``) from `source`, the same seed's
+    folder of a finished ``bench/plateau.py`` run, after checking that it is the SFT this seed's stage
+    would train (:func:`sft_key` of its recorded overrides against `sets`). The checkpoint appears
+    atomically, last, so a seed folder with it has its SFT whole."""
+    done, ckpt = source / "plateau.json", source / "checkpoints" / "sft"
+    if not done.is_file() or not (ckpt / "config.json").is_file():
+        raise SystemExit(f"{source}: no finished SFT there (run bench/plateau.py for this seed first)")
+    theirs = json.loads(done.read_text())["overrides"]
+    if sft_key(source, theirs) != sft_key(folder, sets):
+        raise SystemExit(f"{source}: its SFT ran with other params or data than this seed's (its overrides: "
+                         f"{' '.join(theirs)}; here: {' '.join(sets)}); pass the same --params and --set")
+    (folder / "plots").mkdir(exist_ok=True)
+    write_bytes_atomic(folder / "plots" / "sft.csv", (source / "plots" / "sft.csv").read_bytes())
+    tmp = folder / "checkpoints" / ".sft.adopting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(ckpt, tmp)
+    os.replace(tmp, folder / "checkpoints" / "sft")
+
+
+def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[str],
+               sft_from: Path | None = None) -> dict:
     folder = work / f"seed-{seed}"
     done = folder / "scores.json"
     if done.is_file():
@@ -96,12 +140,14 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
     # the seed's folder is one workspace: this process holds its lock and the stages pass through it
     # (pipeline.lock), so warmup and control can run side by side, one core each, as the flow runs them
     with workspace_lock(f"bench/learning.py seed {seed}", root=folder):
+        if sft_from is not None and not (folder / "checkpoints" / "sft" / "config.json").is_file():
+            adopt_sft(sft_from / f"seed-{seed}", folder, sets)
         stage("sft")
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             for f in [pool.submit(stage, name) for name in SIDE_BY_SIDE]:
                 f.result()
     result = {"seed": seed, "wall_s": wall, "correct": score(folder, sets), "sft_curve": sft_curve(folder),
-              "overrides": sets}
+              "overrides": sets, **({"sft_from": str(sft_from)} if sft_from is not None else {})}
     write_bytes_atomic(done, json.dumps(result).encode())
     return result
 
@@ -281,6 +327,9 @@ def main() -> None:
                     help="report one finished pipeline run (a folder with the evaluate stage's reports/ and "
                          "plots/sft.csv, e.g. the repo after `make run`): the paired warmup - control interval "
                          "over its held-out problems; with --report, as one more seed beside those under --work")
+    ap.add_argument("--sft-from", type=Path, default=None,
+                    help="a bench/plateau.py --work folder: each seed's SFT is taken from its seed-N there "
+                         "(refused unless it is this run's SFT: the same params, overrides and data), not trained")
     args = ap.parse_args()
     if args.run is None and args.work is None:
         ap.error("--work is required (or --run)")
@@ -310,7 +359,9 @@ def main() -> None:
         args.work = args.work.resolve()  # the stages run with their seed's folder as working directory
         data = prepare(args.work, args.params, args.gsm8k or default_gsm8k(), overrides)
         with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(train_seed, args.work, args.params, data, s, overrides) for s in args.seeds]
+            sft_from = args.sft_from.resolve() if args.sft_from is not None else None
+            futures = [pool.submit(train_seed, args.work, args.params, data, s, overrides, sft_from)
+                       for s in args.seeds]
             results = [f.result() for f in futures]
     if not results:
         raise SystemExit(f"no finished seed under {args.work or args.run}")

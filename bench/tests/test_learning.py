@@ -144,3 +144,57 @@ def test_a_seed_is_scored_as_its_evaluate_stage_scores_it(tmp_path):
     both = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(both["discordant"]) == 2 and both["discordant"][0] == both["discordant"][1]
     assert all(both[s]["seeds"][0] == both[s]["seeds"][1] for s in STAGES)
+
+
+def _sft_folder(root, name, smoke, data_text="1\n"):
+    """A seed folder as the benches lay it out: params.yaml and the data files the SFT reads."""
+    import shutil
+
+    folder = root / name / "seed-0"
+    (folder / "data").mkdir(parents=True)
+    shutil.copy(smoke, folder / "params.yaml")
+    for f in ("arith_train.jsonl", "gsm8k_train.jsonl", "gsm8k_val.jsonl", "arith_eval.jsonl", "tokenizer.json"):
+        (folder / "data" / f).write_text(data_text if f == "arith_train.jsonl" else f)
+    return folder
+
+
+def test_an_sft_is_taken_from_the_plateau_bench_only_if_it_is_this_seeds(tmp_path):
+    """--sft-from: the plateau bench's SFT (run with its own checkpoint cadence, which changes no bit)
+    is taken for a seed with the same params, overrides and data, and refused for any other."""
+    import json
+    from pathlib import Path
+
+    from bench.learning import adopt_sft, seed_sets
+
+    smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+    base = ["tracking.enabled=false", "model.num_threads=1", "sft.steps=40"]
+    src = _sft_folder(tmp_path, "plateau", smoke)
+    (src / "checkpoints" / "sft").mkdir(parents=True)
+    (src / "checkpoints" / "sft" / "config.json").write_text("{}")
+    (src / "checkpoints" / "sft" / "model.safetensors").write_bytes(b"weights")
+    (src / "plots").mkdir()
+    (src / "plots" / "sft.csv").write_text("step,loss,val_loss,arith_accuracy\n40,1.0,2.0,0.5\n")
+    theirs = [*base, "sft.seed=0", "sft.save_every=10", "sft.keep_last=3"]
+    (src / "plateau.json").write_text(json.dumps({"overrides": theirs}))
+
+    other_steps = _sft_folder(tmp_path, "steps", smoke)
+    with pytest.raises(SystemExit, match="other params or data"):
+        adopt_sft(src, other_steps, ["tracking.enabled=false", "model.num_threads=1", "sft.steps=50", *seed_sets(0)])
+    other_seed = _sft_folder(tmp_path, "seed", smoke)
+    with pytest.raises(SystemExit, match="other params or data"):
+        adopt_sft(src, other_seed, [*base, *seed_sets(1)])
+    other_data = _sft_folder(tmp_path, "data", smoke, data_text="2\n")
+    with pytest.raises(SystemExit, match="other params or data"):
+        adopt_sft(src, other_data, [*base, *seed_sets(0)])
+    for refused in (other_steps, other_seed, other_data):
+        assert not (refused / "checkpoints").exists()
+
+    same = _sft_folder(tmp_path, "learning", smoke)
+    adopt_sft(src, same, [*base, *seed_sets(0)])  # the plateau bench's save_every/keep_last set aside
+    assert (same / "checkpoints" / "sft" / "model.safetensors").read_bytes() == b"weights"
+    assert (same / "plots" / "sft.csv").read_text() == (src / "plots" / "sft.csv").read_text()
+    assert not (same / "checkpoints" / ".sft.adopting").exists()
+
+    (src / "plateau.json").unlink()  # an SFT the plateau bench has not finished
+    with pytest.raises(SystemExit, match="no finished SFT"):
+        adopt_sft(src, _sft_folder(tmp_path, "early", smoke), [*base, *seed_sets(0)])
