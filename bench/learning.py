@@ -337,6 +337,8 @@ def main() -> None:
         ap.error("--report reads the seeds under --work")
     if args.rescore and not args.report:
         ap.error("--rescore goes with --report (it scores the finished seeds under --work again)")
+    if args.sft_from is not None and (args.report or args.run is not None):
+        ap.error("--sft-from goes with training seeds (not with --report or --run)")
     overrides = bench_overrides(args)
     if args.run is not None and not args.report:
         results = [scored_run(args.run)]

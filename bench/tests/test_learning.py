@@ -198,3 +198,17 @@ def test_an_sft_is_taken_from_the_plateau_bench_only_if_it_is_this_seeds(tmp_pat
     (src / "plateau.json").unlink()  # an SFT the plateau bench has not finished
     with pytest.raises(SystemExit, match="no finished SFT"):
         adopt_sft(src, _sft_folder(tmp_path, "early", smoke), [*base, *seed_sets(0)])
+
+
+def test_sft_from_is_refused_where_no_seed_trains(tmp_path):
+    """--sft-from only means something when seeds are trained: with --report or --run it is an error
+    (exit 2, one line), not silently ignored."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "learning.py"
+    for extra in (["--work", str(tmp_path), "--report"], ["--run", str(tmp_path)]):
+        res = subprocess.run([sys.executable, str(script), *extra, "--sft-from", str(tmp_path)],
+                             capture_output=True, text=True, check=False, timeout=120)
+        assert res.returncode == 2 and "--sft-from goes with training seeds" in res.stderr, res.stderr
