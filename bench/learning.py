@@ -12,7 +12,8 @@ size, generation budget and verifier), so seed 0 of the default params gives met
 Reported, per checkpoint: the mean accuracy over seeds with a 95% interval from a two-level
 bootstrap (seeds resampled, then problems), each seed's figure, and the SFT's plateau check (how
 much held-out accuracy moved over its last 20% of steps, from ``plots/sft.csv``). Then the paired
-difference warmup - control (the same seed's checkpoints on the same problems) with its interval.
+difference warmup - control (the same seed's checkpoints on the same problems) with its interval,
+and the same figures per curriculum level of the held-out problems (where the prepared data is there).
 
     python bench/learning.py --seeds 0 1 2 --work runs/learning [--gsm8k PATH] [--jobs 1] [--set k=v ...]
     python bench/learning.py --work runs/learning --report      # re-read finished seeds only
@@ -248,7 +249,38 @@ def over_seeds(means, rng) -> tuple[float, float]:
     return float(stats[int(0.025 * draws)]), float(stats[int(0.975 * draws) - 1])
 
 
-def report(results: list[dict]) -> dict:
+def held_out_levels(data: Path) -> list[int] | None:
+    """The curriculum level of each held-out problem (``arith_eval.jsonl`` under the prepared `data`),
+    in file order; None where the file is missing."""
+    path = data / "arith_eval.jsonl"
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        return [int(json.loads(line)["level"]) for line in f if line.strip()]
+
+
+def per_level(results: list[dict], levels: list[int], rng) -> dict:
+    """Each level's share of the table: every checkpoint's accuracy (mean over seeds) and the paired
+    warmup - control difference with its two-level bootstrap interval, over that level's problems only
+    (the first len(correct) rows of `levels`: the scoring's `evaluate.arith_limit` takes the file's head)."""
+    n = len(results[0]["correct"]["sft"])
+    if len(levels) < n:
+        raise SystemExit(f"the held-out file has {len(levels)} problems, the scores {n}: not the set they were scored on")
+    out = {}
+    for level in sorted(set(levels[:n])):
+        idx = [i for i in range(n) if levels[i] == level]
+        row = {"problems": len(idx)}
+        for stage in STAGES:
+            row[stage] = round(sum(r["correct"][stage][i] for r in results for i in idx) / (len(idx) * len(results)), 4)
+        diffs = [[r["correct"]["warmup"][i] - r["correct"]["control"][i] for i in idx] for r in results]
+        mean, low, high = bootstrap(diffs, rng)
+        row["warmup_minus_control"] = {"mean": round(mean, 4), "ci95": [round(low, 4), round(high, 4)]}
+        out[level] = row
+    return out
+
+
+def report(results: list[dict], levels: list[int] | None = None) -> dict:
+    """The table over seeds (and, with the held-out problems' `levels`, per level), printed; as a dict."""
     import numpy as np
 
     sizes = {len(r["correct"][s]) for r in results for s in STAGES}
@@ -279,6 +311,13 @@ def report(results: list[dict]) -> dict:
               f"seeds: {' / '.join(f'{100 * s:.1f}' for s in t['seeds'])}")
     print(f"  problems only the warmup / only the control solves, per seed: {table['discordant']}")
     print(f"  SFT accuracy moved over its last 20% of steps: {table['sft_plateau_move']}")
+    if levels is not None:
+        table["per_level"] = per_level(results, levels, rng)
+        for level, row in table["per_level"].items():
+            d = row["warmup_minus_control"]
+            print(f"  level {level} ({row['problems']} problems): "
+                  + " / ".join(f"{stage} {100 * row[stage]:.1f}%" for stage in STAGES)
+                  + f"; warmup - control {100 * d['mean']:+.1f} [{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}]")
     for seed, wall in table["wall_s"].items():
         if wall:
             print(f"  seed {seed} stage wall s: {wall}")
@@ -340,8 +379,10 @@ def main() -> None:
     if args.sft_from is not None and (args.report or args.run is not None):
         ap.error("--sft-from goes with training seeds (not with --report or --run)")
     overrides = bench_overrides(args)
+    levels = None
     if args.run is not None and not args.report:
         results = [scored_run(args.run)]
+        levels = held_out_levels(args.run / "data")
     elif args.report:
         args.work = args.work.resolve()
         results = [json.loads(p.read_text()) for p in sorted(args.work.glob("seed-*/scores.json"))]
@@ -357,6 +398,7 @@ def main() -> None:
                 raise SystemExit(f"{args.run / 'params.yaml'}: the run's seeds are those of seed-{twice} under "
                                  f"{args.work}; one seed would count twice in the mean (leave out --run or that seed)")
             results.append(run)
+        levels = held_out_levels(args.work / "prepared" / "data")
     else:
         args.work = args.work.resolve()  # the stages run with their seed's folder as working directory
         data = prepare(args.work, args.params, args.gsm8k or default_gsm8k(), overrides)
@@ -365,9 +407,10 @@ def main() -> None:
             futures = [pool.submit(train_seed, args.work, args.params, data, s, overrides, sft_from)
                        for s in args.seeds]
             results = [f.result() for f in futures]
+        levels = held_out_levels(data)
     if not results:
         raise SystemExit(f"no finished seed under {args.work or args.run}")
-    table = report(sorted(results, key=lambda r: (isinstance(r["seed"], str), r["seed"])))  # seeds in order, then a run
+    table = report(sorted(results, key=lambda r: (isinstance(r["seed"], str), r["seed"])), levels)  # seeds in order, then a run
     print(json.dumps({"overrides": args.overrides, **table}))
 
 

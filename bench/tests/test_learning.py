@@ -2,12 +2,13 @@
 one finished pipeline run (its evaluate stage's predictions)."""
 
 import csv
+import json
 import random
 
 import numpy as np
 import pytest
 
-from bench.learning import bootstrap, counted_twice, plateau_move, report, run_seeds, scored_run
+from bench.learning import bootstrap, counted_twice, held_out_levels, plateau_move, report, run_seeds, scored_run
 
 
 def test_plateau_move_compares_the_last_check_with_the_one_nearest_80_percent():
@@ -83,6 +84,36 @@ def test_a_finished_run_is_reported_paired_from_its_predictions(tmp_path):
     assert table["warmup_minus_control"]["mean"] == pytest.approx(0.4)  # 2 of 5 problems, none the other way
     assert table["discordant"] == [[2, 0]]  # problems 1 and 3: the warmup only; none: the control only
     assert table["sft_plateau_move"] == [pytest.approx(0.01)]
+
+
+def test_the_table_per_level_takes_only_that_levels_problems(tmp_path):
+    """Two seeds, five problems of levels 1, 1, 2, 2, 2 (and a sixth row the scoring's limit left out):
+    each level's accuracies are the mean over seeds of its own problems, and its paired difference
+    counts only them."""
+    (tmp_path / "arith_eval.jsonl").write_text("".join(json.dumps({"id": i, "level": lv}) + "\n"
+                                                       for i, lv in enumerate([1, 1, 2, 2, 2, 3])))
+    levels = held_out_levels(tmp_path)
+    assert levels == [1, 1, 2, 2, 2, 3] and held_out_levels(tmp_path / "missing") is None
+    seeds = [{"seed": 0, "correct": {"sft": [1, 0, 0, 0, 0], "control": [1, 1, 0, 0, 1], "warmup": [1, 1, 1, 1, 0]},
+              "sft_curve": [], "wall_s": {}},
+             {"seed": 1, "correct": {"sft": [1, 1, 0, 1, 0], "control": [1, 0, 0, 1, 0], "warmup": [1, 0, 1, 1, 1]},
+              "sft_curve": [], "wall_s": {}}]
+    table = report(seeds, levels)
+    one, two = table["per_level"][1], table["per_level"][2]
+    assert 3 not in table["per_level"]  # not scored
+    assert (one["problems"], two["problems"]) == (2, 3)
+    assert (one["sft"], one["control"], one["warmup"]) == (0.75, 0.75, 0.75)
+    assert (two["sft"], two["control"], two["warmup"]) == pytest.approx((1 / 6, 1 / 3, 5 / 6), abs=1e-4)
+    # level 1: every problem the same on both sides -> 0 with a degenerate interval
+    assert one["warmup_minus_control"] == {"mean": 0.0, "ci95": [0.0, 0.0]}
+    # level 2: seed 0 (+1, +1, -1), seed 1 (+1, 0, +1): mean over seeds of the per-problem mean = 0.5
+    assert two["warmup_minus_control"]["mean"] == pytest.approx(0.5)
+    low, high = two["warmup_minus_control"]["ci95"]
+    assert -1 / 3 <= low < 0.5 < high <= 1.0
+    # the whole table is unchanged by the levels
+    assert report(seeds)["warmup_minus_control"] == table["warmup_minus_control"]
+    with pytest.raises(SystemExit, match="not the set"):
+        report(seeds, [1, 1, 2])
 
 
 @pytest.mark.slow
