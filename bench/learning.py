@@ -250,13 +250,13 @@ def over_seeds(means, rng) -> tuple[float, float]:
 
 
 def held_out_levels(data: Path) -> list[int] | None:
-    """The curriculum level of each held-out problem (``arith_eval.jsonl`` under the prepared `data`),
-    in file order; None where the file is missing."""
-    path = data / "arith_eval.jsonl"
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        return [int(json.loads(line)["level"]) for line in f if line.strip()]
+    """The curriculum level of each held-out problem (the evaluate stage's arithmetic file under the
+    prepared `data`, read as it reads it), in file order; None where the file is missing."""
+    from pipeline.files import read_rows
+    from pipeline.stages.evaluate import TASK_FILES
+
+    path = data / TASK_FILES["arith"]
+    return [int(row["level"]) for row in read_rows(path)] if path.is_file() else None
 
 
 def per_level(results: list[dict], levels: list[int], rng) -> dict:

@@ -90,8 +90,10 @@ def test_the_table_per_level_takes_only_that_levels_problems(tmp_path):
     """Two seeds, five problems of levels 1, 1, 2, 2, 2 (and a sixth row the scoring's limit left out):
     each level's accuracies are the mean over seeds of its own problems, and its paired difference
     counts only them."""
-    (tmp_path / "arith_eval.jsonl").write_text("".join(json.dumps({"id": i, "level": lv}) + "\n"
-                                                       for i, lv in enumerate([1, 1, 2, 2, 2, 3])))
+    rows = [{"id": f"arith-eval-{i:05d}", "source": "arith", "question": f"Compute {i} + 1.",
+             "prompt": f"Question: Compute {i} + 1.\nAnswer:", "gold": float(i + 1),
+             "solution": f"<answer>{i + 1}</answer>", "level": lv} for i, lv in enumerate([1, 1, 2, 2, 2, 3])]
+    (tmp_path / "arith_eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # as prepare writes it
     levels = held_out_levels(tmp_path)
     assert levels == [1, 1, 2, 2, 2, 3] and held_out_levels(tmp_path / "missing") is None
     seeds = [{"seed": 0, "correct": {"sft": [1, 0, 0, 0, 0], "control": [1, 1, 0, 0, 1], "warmup": [1, 1, 1, 1, 0]},
