@@ -275,6 +275,15 @@ class WarmupConfig(GRPOConfig):
     """Adaptive: below this informative fraction the warmup is extended."""
     max_extra_iters: int = 0
     """Adaptive: at most this many iterations added beyond `iterations`."""
+    level_sampling: Literal["uniform", "informative"] = "uniform"
+    """Which curriculum levels the prompts come from: `uniform` (the training stream's own mix) or
+    `informative` (a drawn prompt is kept with its level's estimated chance of an informative group, one
+    with right and wrong completions, over the best level's: levels the policy always or never solves
+    are drawn less; the rates are this run's own, from every group rolled out, decayed by 0.9 per
+    iteration)."""
+    level_floor: float = 0.1
+    """`informative`: the least chance that a drawn prompt of any level is kept, so that every level's
+    rate stays measured."""
 
 
 # The warmup's own defaults (its other fields default as for grpo): short arithmetic answers (a

@@ -42,6 +42,7 @@ def _range_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("warmup.min_informative", 0.0 <= w.min_informative <= 1.0, "a number in [0, 1]"),
         ("warmup.exit_accuracy", 0.0 <= w.exit_accuracy <= 1.0, "a number in [0, 1]"),
         ("warmup.max_extra_iters", w.max_extra_iters >= 0, "an integer >= 0"),
+        ("warmup.level_floor", 0.0 < w.level_floor <= 1.0, "a number in (0, 1]"),
     ]
 
 

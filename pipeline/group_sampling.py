@@ -7,6 +7,10 @@
   completion scored the same: zero advantages, no policy gradient) is dropped and replaced by a
   fresh prompt, for up to ``max_sampling_rounds`` rollout rounds.
 - ``fitting_rows``: the prompts that leave room for the rollout in the model's context.
+- ``level_keep`` / ``count_levels``: the warmup's `level_sampling = informative`: each drawn prompt
+  is kept with its curriculum level's chance (its estimated informative-group rate over the best
+  level's), so the rollouts go where the verifier's signal is; the skipped rows are passed over in the
+  same seeded order, so the cursor alone still says where the stream stands.
 """
 
 from __future__ import annotations
@@ -34,28 +38,41 @@ Verifier = Callable[[str], Callable[[str, Any], float]]  # a row's `source` -> (
 
 # --------------------------------------------------------------------------- prompt order
 
-def _permutation(n: int, seed: int, epoch: int) -> list[int]:
+def _permutation(n: int, seed: int, epoch: int, uniforms: bool = False) -> tuple[list[int], list[float]]:
+    """An epoch's seeded order of range(n) and, with `uniforms`, one U(0, 1) draw per position (from
+    the same generator after the permutation, so the order is the same either way)."""
     gen = torch.Generator().manual_seed(seed * 7919 + epoch)
-    return torch.randperm(n, generator=gen).tolist()
+    order = torch.randperm(n, generator=gen).tolist()
+    return order, (torch.rand(n, generator=gen, dtype=torch.float64).tolist() if uniforms else [])
 
 
-def next_prompts(n: int, seed: int, cursor: Cursor, k: int) -> tuple[list[int], Cursor]:
-    """The next `k` row indices of seeded epoch-wise permutations of range(n), and the new cursor."""
+def next_prompts(n: int, seed: int, cursor: Cursor, k: int,
+                 keep: list[float] | None = None) -> tuple[list[int], Cursor]:
+    """The next `k` row indices of seeded epoch-wise permutations of range(n), and the new cursor.
+
+    With `keep` (a chance in (0, 1] per row), the row at each position is taken only if that
+    position's seeded uniform draw is below its chance, and passed over otherwise: a thinned stream,
+    as reproducible from the cursor as the plain one (which `keep` = None gives, bit for bit)."""
     epoch, pos = cursor
-    order = _permutation(n, seed, epoch)
+    order, u = _permutation(n, seed, epoch, keep is not None)
     out: list[int] = []
     while len(out) < k:
         if pos >= n:
             epoch, pos = epoch + 1, 0
-            order = _permutation(n, seed, epoch)
-        take = min(k - len(out), n - pos)
-        out += order[pos:pos + take]
-        pos += take
+            order, u = _permutation(n, seed, epoch, keep is not None)
+        if keep is None:
+            take = min(k - len(out), n - pos)
+            out += order[pos:pos + take]
+            pos += take
+        else:
+            if u[pos] < keep[order[pos]]:
+                out.append(order[pos])
+            pos += 1
     return out, (epoch, pos)
 
 
 def next_shard(n: int, seed: int, cursor: Cursor, need: int, need_max: int, rank: int,
-               world: int) -> tuple[list[int], Cursor]:
+               world: int, keep: list[float] | None = None) -> tuple[list[int], Cursor]:
     """This rank's `need` fresh indices when every rank draws in the same round.
 
     Every rank advances the cursor by the same `need_max * world` indices (`need_max`: the largest
@@ -63,7 +80,7 @@ def next_shard(n: int, seed: int, cursor: Cursor, need: int, need_max: int, rank
     step and no two ranks get the same prompt, even when dynamic sampling makes ranks top up
     different numbers of groups. One process: the same as `next_prompts(n, seed, cursor, need)`.
     """
-    drawn, cursor = next_prompts(n, seed, cursor, need_max * world)
+    drawn, cursor = next_prompts(n, seed, cursor, need_max * world, keep)
     return drawn[rank * need_max:rank * need_max + need], cursor
 
 
@@ -77,6 +94,7 @@ class Groups:
     rollout: Rollout  # their G completions each, group-contiguous
     rewards: torch.Tensor  # (len(rows) * G,) verifier rewards of the rollout's rows
     sampled: torch.Tensor  # (groups, G) rewards of every group rolled out, the dropped ones included
+    sampled_idx: list[int]  # the row index of each of those groups, in `sampled`'s order
     dropped: int  # groups dropped for zero variance
     cursor: Cursor  # the prompt cursor after this iteration's draws
     times: dict[str, float]  # seconds in rollout and scoring
@@ -89,13 +107,16 @@ def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, verifie
 
 
 def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, conf: GRPOConfig, verifier: Verifier,
-                  generator: torch.Generator, rank: int = 0, world: int = 1) -> Groups:
-    """Roll out and score this rank's groups; with dynamic sampling, replace zero-variance groups."""
+                  generator: torch.Generator, rank: int = 0, world: int = 1,
+                  keep: list[float] | None = None) -> Groups:
+    """Roll out and score this rank's groups; with dynamic sampling, replace zero-variance groups.
+    `keep`: each row's chance of being kept when drawn (:func:`next_prompts`); None: every row."""
     G, per_rank = conf.group_size, conf.prompts_per_iter // world
     kept_rows: list[dict[str, Any]] = []
     kept: list[tuple[Rollout, list[int]]] = []
     kept_rewards: list[torch.Tensor] = []
     sampled: list[torch.Tensor] = []
+    sampled_idx: list[int] = []
     dropped, rounds, times = 0, 0, {"rollout": 0.0, "scoring": 0.0}
     while rounds < conf.max_sampling_rounds:
         need = per_rank - len(kept_rows)
@@ -103,7 +124,7 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         need_max = dist_utils.max_across_ranks(need)
         if need_max == 0:
             break
-        idx, cursor = next_shard(len(rows), conf.seed, cursor, need, need_max, rank, world)
+        idx, cursor = next_shard(len(rows), conf.seed, cursor, need, need_max, rank, world, keep)
         rounds += 1
         if not idx:  # this rank is full; it still drew so that its cursor stays in step
             continue
@@ -116,6 +137,7 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         times["rollout"] += t1 - t0
         times["scoring"] += time.perf_counter() - t1
         sampled.append(rewards)
+        sampled_idx += idx
         informative = rewards.std(dim=1) > 1e-6
         for j, row in enumerate(batch):
             # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)
@@ -128,8 +150,8 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         if not conf.dynamic_sampling:
             break
     rollout = select_rollouts(kept[:per_rank], policy.tokenizer.pad_id)
-    return Groups(kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), torch.cat(sampled), dropped,
-                  cursor, times)
+    return Groups(kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), torch.cat(sampled), sampled_idx,
+                  dropped, cursor, times)
 
 
 def select_rollouts(parts: list[tuple[Rollout, list[int]]], pad_id: int) -> Rollout:
@@ -175,3 +197,51 @@ def fitting_rows(rows: list[dict[str, Any]], policy: Policy, rollout_len: int, p
         raise InputError(f"{path}: no prompt fits model.block_size = {limit} with {stage}.rollout_len = "
                          f"{rollout_len}; raise model.block_size or lower the rollout length")
     return kept
+
+
+# --------------------------------------------------------------------------- levels (warmup.level_sampling)
+
+LEVEL_DECAY = 0.9  # per iteration: the counts, and so the rates, follow the policy as it learns
+
+
+def row_levels(rows: list[dict[str, Any]], path: Path, key: str) -> list[int]:
+    """Each row's curriculum `level` (an integer); InputError naming the file and row where one is missing."""
+    out = []
+    for i, row in enumerate(rows):
+        level = row.get("level")
+        if not isinstance(level, int) or isinstance(level, bool):
+            raise InputError(f"{path}: row {i + 1} has no integer `level` ({key} = informative draws prompts "
+                             f"by curriculum level); allowed: rows that all carry one, or {key} = uniform")
+        out.append(level)
+    return out
+
+
+def level_rates(counts: dict[str, list[float]]) -> dict[str, float]:
+    """Each level's estimated chance that a group is informative: (informative + 1) / (groups + 2) of its
+    decayed counts (``[groups, informative]``), 1/2 for a level not yet seen."""
+    return {level: (inf + 1.0) / (n + 2.0) for level, (n, inf) in counts.items()}
+
+
+def level_keep(counts: dict[str, list[float]], levels: list[int], floor: float) -> tuple[list[float], dict[str, float]]:
+    """Each row's chance of being kept when drawn (its level's rate over the best level's rate, at least
+    `floor`), and that chance per level. `counts` holds every level of `levels`."""
+    rates = level_rates(counts)
+    top = max(rates.values())
+    chance = {level: max(rate / top, floor) for level, rate in rates.items()}
+    return [chance[str(level)] for level in levels], chance
+
+
+def count_levels(counts: dict[str, list[float]], levels: list[int], sampled_idx: list[int],
+                 sampled: torch.Tensor) -> dict[str, list[float]]:
+    """The counts after one iteration: every level's decayed by :data:`LEVEL_DECAY`, then this
+    iteration's groups added (all ranks' where `counts` is the same on every rank: the sums are taken
+    across ranks, so the chances stay equal and the ranks' cursors in step)."""
+    names = sorted(counts, key=int)
+    informative = (sampled.std(dim=1) > 1e-6).tolist() if sampled.numel() else []
+    local = {name: [0.0, 0.0] for name in names}
+    for i, inf in zip(sampled_idx, informative):
+        local[str(levels[i])][0] += 1.0
+        local[str(levels[i])][1] += float(inf)
+    summed = dist_utils.sum_across_ranks([x for name in names for x in local[name]])
+    return {name: [LEVEL_DECAY * counts[name][0] + summed[2 * j], LEVEL_DECAY * counts[name][1] + summed[2 * j + 1]]
+            for j, name in enumerate(names)}

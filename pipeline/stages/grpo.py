@@ -37,7 +37,8 @@ from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOCon
 from pipeline.errors import InputError, TrainingDivergedError
 from pipeline.files import read_rows, write_series_csv
 from pipeline.generation import greedy_accuracy
-from pipeline.group_sampling import Groups, Verifier, fitting_rows, sample_groups
+from pipeline.group_sampling import (Groups, Verifier, count_levels, fitting_rows, level_keep, level_rates, row_levels,
+                                     sample_groups)
 from pipeline.grpo import group_advantages, grpo_loss, informative_fraction, loss_units
 from pipeline.model import fastpaths
 from pipeline.model.lora import AdaptersOff, add_lora
@@ -72,6 +73,8 @@ class TrainState:
     nonfinite_run: int = 0  # skipped (non-finite) steps in a row
     skipped: int = 0  # skipped steps in all
     adaptive_log: list[str] = field(default_factory=list)
+    # warmup.level_sampling = informative: per curriculum level, decayed counts [groups, informative]
+    level_counts: dict[str, list[float]] = field(default_factory=dict)
     series: list[dict[str, Any]] = field(default_factory=list)  # one CSV row per iteration
 
 
@@ -111,6 +114,7 @@ class GRPORun:
     generator: torch.Generator
     rank: int = 0
     world: int = 1
+    levels: list[int] | None = None  # each training row's curriculum level, where prompts are drawn by level
 
 
 # --------------------------------------------------------------------------- the loop
@@ -161,9 +165,15 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
     conf, G = run.conf, run.conf.group_size
     t_start = time.perf_counter()
     # --- sample prompt groups, G completions each, scored by the verifier ------------------------
+    keep, chance = None, {}
+    if run.levels is not None:  # warmup.level_sampling = informative
+        state.level_counts = state.level_counts or {str(v): [0.0, 0.0] for v in sorted(set(run.levels))}
+        keep, chance = level_keep(state.level_counts, run.levels, conf.level_floor)
     groups = sample_groups(run.policy, run.train_rows, (state.prompt_epoch, state.prompt_pos), conf, verifier,
-                           run.generator, run.rank, run.world)
+                           run.generator, run.rank, run.world, keep)
     state.prompt_epoch, state.prompt_pos = groups.cursor
+    if run.levels is not None:
+        state.level_counts = count_levels(state.level_counts, run.levels, groups.sampled_idx, groups.sampled)
     ro = groups.rollout
     if not bool(torch.isfinite(ro.logprobs.masked_fill(~ro.response_mask.bool(), 0.0)).all()):
         raise TrainingDivergedError(f"{run.stage}: the policy's logits are not finite at iteration "
@@ -184,7 +194,13 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
     stats = update(run.policy, run.optimizer, conf, batch, state, run.stage)
     _sync(run.policy)
     times = {**groups.times, "logprobs": t_lp, "update": t_upd, "start": t_start, "end": time.perf_counter()}
-    return iteration_metrics(run, state, groups, stats, lr, times), sample_rows(groups, G)
+    metrics = iteration_metrics(run, state, groups, stats, lr, times)
+    # the tracker's view of level sampling (not the git-tracked CSV): each level's chance this
+    # iteration drew with, and its informative rate after this iteration's groups
+    metrics.update({f"level_keep/{v}": c for v, c in chance.items()})
+    if run.levels is not None:
+        metrics.update({f"level_informative/{v}": r for v, r in level_rates(state.level_counts).items()})
+    return metrics, sample_rows(groups, G)
 
 
 # --------------------------------------------------------------------------- set-up
@@ -211,6 +227,8 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     policy.set_compute_dtype(cfg.model.dtype)  # model.dtype of this run (bf16 autocast), not the checkpoint's
     dist_utils.use_device(policy.device)  # NCCL collectives need tensors on the GPU
     train_rows = fitting_rows(train_rows, policy, conf.rollout_len, paths.train, stage)
+    levels = (row_levels(train_rows, paths.train, f"{stage}.level_sampling")
+              if isinstance(conf, WarmupConfig) and conf.level_sampling == "informative" else None)
     eval_rows = fitting_rows(eval_rows, policy, conf.rollout_len, paths.eval, stage)
     policy.eval()  # GRPO runs the policy without dropout; eval() does not stop gradients
     if cfg.model.gradient_checkpointing and not policy.recompute:
@@ -229,7 +247,8 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
     # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
     generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
-    return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world)
+    return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world,
+                   levels)
 
 
 def check_reference(paths: StagePaths, policy: Policy, ref: Policy) -> None:
