@@ -1,5 +1,6 @@
 """Where a checkpoint stands on the held-out arithmetic set, per curriculum level: greedy accuracy,
-mean accuracy of k samples at temperature 1, and pass@k. Used to size the SFT and the warmup
+mean accuracy of k samples at temperature 1, pass@k, and the share of problems whose k samples are
+mixed (some right, some wrong: the informative groups of GRPO). Used to size the SFT and the warmup
 (docs/results/cpu-defaults.md): a big gap between pass@k and greedy is headroom that sampling can reach.
 
 With ``--errors`` it also sorts the wrong greedy answers by their first line that differs from the
@@ -66,6 +67,23 @@ def classify_error(solution: str, text: str) -> str:
     return "line"
 
 
+def tally(rows: list[dict], greedy_ok: list[bool], hits: list[list[bool]]) -> dict[str, dict]:
+    """Per level (and ``all``): the problems, greedy accuracy, mean sample accuracy, pass@k, and the
+    share of problems whose k samples are neither all right nor all wrong (`mixed`: a GRPO group of
+    them has a gradient from correctness, which a group all right or all wrong has not)."""
+    per = collections.defaultdict(lambda: {"n": 0, "greedy": 0.0, "sample": 0.0, "pass": 0.0, "mixed": 0.0})
+    for row, g, h in zip(rows, greedy_ok, hits, strict=True):
+        for key in (row.get("level", 0), "all"):
+            p = per[key]
+            p["n"] += 1
+            p["greedy"] += g
+            p["sample"] += sum(h) / len(h)
+            p["pass"] += any(h)
+            p["mixed"] += any(h) and not all(h)
+    return {str(key): {m: round(per[key][m] / per[key]["n"], 4) for m in ("greedy", "sample", "pass", "mixed")}
+            | {"n": per[key]["n"]} for key in sorted(per, key=lambda k: (k == "all", str(k)))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
@@ -89,22 +107,12 @@ def main() -> None:
         return answers_match(extract_answer(text), row["gold"])
 
     greedy_ok = [ok(t, row) for t, row in zip(greedy, rows)]
-    per = collections.defaultdict(lambda: {"n": 0, "greedy": 0.0, "sample": 0.0, "pass": 0.0})
-    for i, row in enumerate(rows):
-        hits = [ok(t, row) for t in samples[i * args.k:(i + 1) * args.k]]  # group-contiguous
-        for key in (row.get("level", 0), "all"):
-            p = per[key]
-            p["n"] += 1
-            p["greedy"] += greedy_ok[i]
-            p["sample"] += sum(hits) / args.k
-            p["pass"] += any(hits)
-    out = {}
-    for key in sorted(per, key=lambda k: (k == "all", str(k))):
-        p = per[key]
-        out[str(key)] = {m: round(p[m] / p["n"], 4) for m in ("greedy", "sample", "pass")} | {"n": p["n"]}
+    hits = [[ok(t, row) for t in samples[i * args.k:(i + 1) * args.k]] for i, row in enumerate(rows)]  # group-contiguous
+    out = tally(rows, greedy_ok, hits)
+    for key, p in out.items():
         name = f"level {key}" if key != "all" else "all"
-        print(f"{name:8s} n={p['n']:4d}  greedy {p['greedy'] / p['n']:.3f}  sample {p['sample'] / p['n']:.3f}  "
-              f"pass@{args.k} {p['pass'] / p['n']:.3f}")
+        print(f"{name:8s} n={p['n']:4d}  greedy {p['greedy']:.3f}  sample {p['sample']:.3f}  "
+              f"pass@{args.k} {p['pass']:.3f}  mixed@{args.k} {p['mixed']:.3f}")
     if args.errors:
         kinds = collections.Counter(classify_error(row["solution"], text)
                                     for row, text, right in zip(rows, greedy, greedy_ok) if not right)

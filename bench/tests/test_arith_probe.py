@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.arith_probe import calc, classify_error
+from bench.arith_probe import calc, classify_error, tally
 
 SOLUTION = "0 + 6 = 6.\n10 + 6 = 16.\n6 * 9 = 54.\n1 * 9 + 5 = 14.\n16 * 9 = 144.\n<answer>144</answer>"
 
@@ -47,3 +47,15 @@ def test_classify_error_names_the_first_differing_line():
     assert classify_error(SOLUTION, SOLUTION.rsplit("\n", 1)[0]) == "line"  # stops before the answer
     # only the FIRST differing line counts: a later fact error after a copy error is a copy error
     assert classify_error(SOLUTION, with_line(1, "10 + 8 = 18.").replace("6 * 9 = 54.", "6 * 9 = 55.")) == "copy"
+
+
+def test_the_tally_per_level_hand_computed():
+    """Two levels, k = 4: level 1's two problems are all right (not mixed) and 3 of 4 right (mixed);
+    level 2's one problem is all wrong (not mixed, no pass)."""
+    rows = [{"level": 1}, {"level": 1}, {"level": 2}]
+    hits = [[True] * 4, [True, False, True, True], [False] * 4]
+    out = tally(rows, [True, False, False], hits)
+    assert list(out) == ["1", "2", "all"]
+    assert out["1"] == {"greedy": 0.5, "sample": 0.875, "pass": 1.0, "mixed": 0.5, "n": 2}
+    assert out["2"] == {"greedy": 0.0, "sample": 0.0, "pass": 0.0, "mixed": 0.0, "n": 1}
+    assert out["all"] == {"greedy": 0.3333, "sample": 0.5833, "pass": 0.6667, "mixed": 0.3333, "n": 3}
