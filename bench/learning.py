@@ -20,6 +20,7 @@ and the same figures per curriculum level of the held-out problems (where the pr
     python bench/learning.py --work runs/learning --report --rescore   # ... scoring their checkpoints again
     python bench/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
     python bench/learning.py --work runs/learning --report --run .   # the seeds and the run in one table
+    python bench/learning.py --work runs/new --report --against runs/learning   # each checkpoint, new - old, paired
     python bench/learning.py --seeds 0 1 --work runs/learning --sft-from runs/plateau [--set k=v ...]
         # each seed's SFT taken from bench/plateau.py's work folder (checked to be this run's SFT), not trained
     # the stages' and the scoring's CPU kernels are the params' (model.cpu_kernels; native by default)
@@ -324,6 +325,34 @@ def report(results: list[dict], levels: list[int] | None = None) -> dict:
     return table
 
 
+def against(results: list[dict], others: list[dict], rng) -> dict:
+    """Each checkpoint's paired difference between two recipes over the seeds both ran (this one's
+    `results` minus `others`, the same seed's checkpoint on the same problems), with its two-level
+    bootstrap interval: how much a change moved each checkpoint, not only the lead."""
+    theirs = {r["seed"]: r for r in others}
+    common = [r for r in results if r["seed"] in theirs]
+    if not common:
+        raise SystemExit("--against: no seed ran in both work folders")
+    sizes = {len(r["correct"][s]) for r in (*common, *(theirs[r["seed"]] for r in common)) for s in STAGES}
+    if len(sizes) != 1:
+        raise SystemExit(f"--against: the runs were scored on different held-out sets ({sorted(sizes)} problems)")
+    out = {"seeds": [r["seed"] for r in common]}
+    for stage in STAGES:
+        diffs = [[a - b for a, b in zip(r["correct"][stage], theirs[r["seed"]]["correct"][stage])] for r in common]
+        mean, low, high = bootstrap(diffs, rng)
+        out[stage] = {"mean": round(mean, 4), "ci95": [round(low, 4), round(high, 4)],
+                      "seeds": [round(sum(d) / len(d), 4) for d in diffs]}
+    return out
+
+
+def print_against(table: dict, other: Path) -> None:
+    print(f"  minus {other} (seeds {', '.join(str(s) for s in table['seeds'])}), paired:")
+    for stage in STAGES:
+        t = table[stage]
+        print(f"    {stage:20s} {100 * t['mean']:+6.1f}  [{100 * t['ci95'][0]:+5.1f}, {100 * t['ci95'][1]:+5.1f}]  "
+              f"seeds: {' / '.join(f'{100 * s:+.1f}' for s in t['seeds'])}")
+
+
 def add_seed_args(ap: argparse.ArgumentParser, work_required: bool) -> None:
     """The flags of a bench that trains seeds in a working folder (this one, bench/plateau.py)."""
     ap.add_argument("--work", type=Path, required=work_required,
@@ -366,6 +395,9 @@ def main() -> None:
                     help="report one finished pipeline run (a folder with the evaluate stage's reports/ and "
                          "plots/sft.csv, e.g. the repo after `make run`): the paired warmup - control interval "
                          "over its held-out problems; with --report, as one more seed beside those under --work")
+    ap.add_argument("--against", type=Path, default=None,
+                    help="with --report: another --work folder of the same seeds (e.g. the recipe before a change); "
+                         "also prints each checkpoint's paired difference, this folder's minus that one's")
     ap.add_argument("--sft-from", type=Path, default=None,
                     help="a bench/plateau.py --work folder: each seed's SFT is taken from its seed-N there "
                          "(refused unless it is this run's SFT: the same params, overrides and data), not trained")
@@ -376,6 +408,8 @@ def main() -> None:
         ap.error("--report reads the seeds under --work")
     if args.rescore and not args.report:
         ap.error("--rescore goes with --report (it scores the finished seeds under --work again)")
+    if args.against is not None and not args.report:
+        ap.error("--against goes with --report (it compares finished seeds under two --work folders)")
     if args.sft_from is not None and (args.report or args.run is not None):
         ap.error("--sft-from goes with training seeds (not with --report or --run)")
     overrides = bench_overrides(args)
@@ -411,6 +445,12 @@ def main() -> None:
     if not results:
         raise SystemExit(f"no finished seed under {args.work or args.run}")
     table = report(sorted(results, key=lambda r: (isinstance(r["seed"], str), r["seed"])), levels)  # seeds in order, then a run
+    if args.against is not None:
+        import numpy as np
+
+        others = [json.loads(p.read_text()) for p in sorted(args.against.glob("seed-*/scores.json"))]
+        table["against"] = {"work": str(args.against), **against(results, others, np.random.default_rng(0))}
+        print_against(table["against"], args.against)
     print(json.dumps({"overrides": args.overrides, **table}))
 
 

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from bench.learning import bootstrap, counted_twice, held_out_levels, plateau_move, report, run_seeds, scored_run
+from bench.learning import against, bootstrap, counted_twice, held_out_levels, plateau_move, report, run_seeds, scored_run
 
 
 def test_plateau_move_compares_the_last_check_with_the_one_nearest_80_percent():
@@ -245,3 +245,25 @@ def test_sft_from_is_refused_where_no_seed_trains(tmp_path):
         res = subprocess.run([sys.executable, str(script), *extra, "--sft-from", str(tmp_path)],
                              capture_output=True, text=True, check=False, timeout=120)
         assert res.returncode == 2 and "--sft-from goes with training seeds" in res.stderr, res.stderr
+
+
+def test_against_pairs_each_checkpoint_by_seed_and_problem():
+    """Two recipes over seeds {0, 1} and {1, 2}: only seed 1 is paired; its warmup gained two of four
+    problems and lost one (+1/4), the other checkpoints are unchanged (0, a degenerate interval)."""
+    def seed(s, warmup):
+        return {"seed": s, "correct": {"sft": [1, 0, 1, 0], "control": [1, 1, 0, 0], "warmup": warmup}}
+
+    new = [seed(0, [1, 1, 1, 1]), seed(1, [1, 1, 1, 0])]
+    old = [seed(1, [0, 0, 1, 1]), seed(2, [0, 0, 0, 0])]
+    out = against(new, old, np.random.default_rng(0))
+    assert out["seeds"] == [1]
+    assert out["warmup"]["mean"] == 0.25 and out["warmup"]["seeds"] == [0.25]
+    low, high = out["warmup"]["ci95"]
+    assert -1.0 <= low < 0.25 < high <= 1.0  # four problems: a resample of all +1 is 6% likely
+    assert out["sft"] == {"mean": 0.0, "ci95": [0.0, 0.0], "seeds": [0.0]}
+    assert out["control"]["mean"] == 0.0
+    with pytest.raises(SystemExit, match="no seed ran in both"):
+        against(new, [seed(5, [0, 0, 0, 0])], np.random.default_rng(0))
+    short = {"seed": 1, "correct": {"sft": [1], "control": [1], "warmup": [1]}}
+    with pytest.raises(SystemExit, match="different held-out sets"):
+        against(new, [short], np.random.default_rng(0))
