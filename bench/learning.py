@@ -332,10 +332,12 @@ def against(results: list[dict], others: list[dict], rng) -> dict:
     theirs = {r["seed"]: r for r in others}
     common = [r for r in results if r["seed"] in theirs]
     if not common:
-        raise SystemExit("--against: no seed ran in both work folders")
+        raise SystemExit(f"--against: no seed there ran here too (here: {[r['seed'] for r in results]}, there: "
+                         f"{sorted(theirs)}); pair runs of the same seeds")
     sizes = {len(r["correct"][s]) for r in (*common, *(theirs[r["seed"]] for r in common)) for s in STAGES}
     if len(sizes) != 1:
-        raise SystemExit(f"--against: the runs were scored on different held-out sets ({sorted(sizes)} problems)")
+        raise SystemExit(f"--against: the runs were scored on different held-out sets ({sorted(sizes)} problems): "
+                         "pair only runs of the same prepared data")
     out = {"seeds": [r["seed"] for r in common]}
     for stage in STAGES:
         diffs = [[a - b for a, b in zip(r["correct"][stage], theirs[r["seed"]]["correct"][stage])] for r in common]
@@ -408,8 +410,9 @@ def main() -> None:
         ap.error("--report reads the seeds under --work")
     if args.rescore and not args.report:
         ap.error("--rescore goes with --report (it scores the finished seeds under --work again)")
-    if args.against is not None and not args.report:
-        ap.error("--against goes with --report (it compares finished seeds under two --work folders)")
+    if args.against is not None and (not args.report or args.rescore):
+        ap.error("--against goes with --report, without --rescore (it compares the scores already under two "
+                 "--work folders)")
     if args.sft_from is not None and (args.report or args.run is not None):
         ap.error("--sft-from goes with training seeds (not with --report or --run)")
     overrides = bench_overrides(args)
@@ -448,6 +451,10 @@ def main() -> None:
     if args.against is not None:
         import numpy as np
 
+        held_out = [w / "prepared" / "data" / "arith_eval.jsonl" for w in (args.work, args.against)]
+        if len({p.read_bytes() if p.is_file() else None for p in held_out}) != 1:
+            raise SystemExit(f"--against: {held_out[0]} and {held_out[1]} differ (or one is missing): pair only "
+                             "runs of the same prepared data")
         others = [json.loads(p.read_text()) for p in sorted(args.against.glob("seed-*/scores.json"))]
         table["against"] = {"work": str(args.against), **against(results, others, np.random.default_rng(0))}
         print_against(table["against"], args.against)

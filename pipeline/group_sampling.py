@@ -205,13 +205,15 @@ LEVEL_DECAY = 0.9  # per iteration: the counts, and so the rates, follow the pol
 
 
 def row_levels(rows: list[dict[str, Any]], path: Path, key: str) -> list[int]:
-    """Each row's curriculum `level` (an integer); InputError naming the file and row where one is missing."""
+    """Each row's curriculum `level` (an integer); InputError naming the file and the row's `id` (which
+    every prepared row has, and which finds it whatever rows were skipped) where one is missing."""
     out = []
-    for i, row in enumerate(rows):
+    for row in rows:
         level = row.get("level")
         if not isinstance(level, int) or isinstance(level, bool):
-            raise InputError(f"{path}: row {i + 1} has no integer `level` ({key} = informative draws prompts "
-                             f"by curriculum level); allowed: rows that all carry one, or {key} = uniform")
+            raise InputError(f"{path}: row id {row.get('id')!r} has level = {level!r}, not an integer ({key} = "
+                             f"informative draws prompts by curriculum level); allowed: rows that all carry an "
+                             f"integer `level`, or {key} = uniform")
         out.append(level)
     return out
 

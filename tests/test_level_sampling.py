@@ -131,13 +131,44 @@ def test_counts_decay_then_add_this_iterations_groups():
     assert empty["1"] == pytest.approx([10 * d, 2 * d]) and empty["2"] == pytest.approx([4 * d, 4 * d])
 
 
+def test_counts_are_summed_across_ranks_so_every_rank_draws_alike(monkeypatch):
+    """Two ranks, each with its own groups: each rank's all-reduce returns the sum of both ranks' local
+    counts, so both end with the same counts (and so the same chances and cursor). Simulated by
+    pairing the two calls: rank 0's local vector is held until rank 1's arrives."""
+    import pipeline.group_sampling as gs
+
+    levels = [1, 2, 1, 2]
+    counts = {"1": [1.0, 0.0], "2": [1.0, 1.0]}
+    local = {0: ([0, 1], torch.tensor([[1.0, 1.0], [0.0, 1.0]])),  # rank 0: level 1 flat, level 2 mixed
+             1: ([2, 3], torch.tensor([[0.0, 1.0], [1.0, 1.0]]))}  # rank 1: level 1 mixed, level 2 flat
+    seen = {}
+
+    def record(values):
+        seen[len(seen)] = list(values)
+        return [0.0] * len(values)
+
+    monkeypatch.setattr(gs.dist_utils, "sum_across_ranks", record)
+    for rank in (0, 1):
+        count_levels(counts, levels, *local[rank])
+    total = [a + b for a, b in zip(seen[0], seen[1])]
+    monkeypatch.setattr(gs.dist_utils, "sum_across_ranks", lambda values: total)
+    out = [count_levels(counts, levels, *local[rank]) for rank in (0, 1)]
+    d = LEVEL_DECAY
+    assert out[0] == out[1]
+    assert out[0]["1"] == pytest.approx([d + 2, 1]) and out[0]["2"] == pytest.approx([d + 2, d + 1])
+
+
 def test_rows_without_an_integer_level_are_refused_naming_file_and_row():
-    rows = [{"level": 1}, {"level": 2}, {"question": "x"}]
-    with pytest.raises(InputError, match=r"data/x.jsonl: row 3 has no integer `level`.*warmup.level_sampling = uniform"):
+    rows = [{"id": "a", "level": 1}, {"id": "b", "level": 2}, {"id": "c", "question": "x"}]
+    with pytest.raises(InputError, match=r"^data/x.jsonl: row id 'c' has level = None, not an integer "
+                                         r"\(warmup.level_sampling = informative .*\); allowed: .* or "
+                                         r"warmup.level_sampling = uniform$"):
         row_levels(rows, Path("data/x.jsonl"), "warmup.level_sampling")
-    with pytest.raises(InputError, match="row 1"):
-        row_levels([{"level": True}], Path("f"), "k")
-    assert row_levels([{"level": 2}, {"level": 1}], Path("f"), "k") == [2, 1]
+    with pytest.raises(InputError, match="row id 'd' has level = True"):
+        row_levels([{"id": "d", "level": True}], Path("f"), "k")
+    with pytest.raises(InputError, match="row id 'e' has level = '2'"):
+        row_levels([{"id": "e", "level": "2"}], Path("f"), "k")
+    assert row_levels([{"id": "a", "level": 2}, {"id": "b", "level": 1}], Path("f"), "k") == [2, 1]
 
 
 def test_level_floor_out_of_range_is_refused():
@@ -145,7 +176,7 @@ def test_level_floor_out_of_range_is_refused():
 
     with pytest.raises(ConfigError, match=r"warmup.level_floor = 0.0 is out of range; allowed: a number in \(0, 1\]"):
         smoke_cfg("warmup.level_floor=0")
-    with pytest.raises(ConfigError, match="warmup.level_sampling"):
+    with pytest.raises(ConfigError, match=r"warmup.level_sampling = 'greedy' is not allowed.*; allowed: uniform, informative"):
         smoke_cfg("warmup.level_sampling=greedy")
 
 

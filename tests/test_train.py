@@ -319,12 +319,14 @@ def test_adaptive_curriculum_leaves_early_and_logs_why(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dynamic", ["false", "true"])
-def test_nproc_2_relaunches_under_torchrun_and_rank0_saves(workdir, dynamic):
+@pytest.mark.parametrize("dynamic,levels", [("false", "uniform"), ("true", "uniform"), ("true", "informative")])
+def test_nproc_2_relaunches_under_torchrun_and_rank0_saves(workdir, dynamic, levels):
     """grpo.nproc=2 on CPU: the stage runs itself under torchrun (gloo); rank 0 writes the outputs.
-    With dynamic sampling the ranks top up in lockstep rounds (a collective per round): no hang."""
+    With dynamic sampling the ranks top up in lockstep rounds (a collective per round): no hang; with
+    the draw by level, too (the level counts are summed across ranks every iteration)."""
     res = _run_cli("warmup", "warmup.nproc=2", "warmup.iterations=2", "warmup.eval_every=0",
-                   f"warmup.dynamic_sampling={dynamic}", "warmup.max_sampling_rounds=3", cwd=workdir)
+                   f"warmup.dynamic_sampling={dynamic}", "warmup.max_sampling_rounds=3",
+                   f"warmup.level_sampling={levels}", cwd=workdir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (workdir / "checkpoints" / "warmup" / "model.safetensors").is_file()
     rows = _csv_rows(workdir / "plots" / "warmup.csv")

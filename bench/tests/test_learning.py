@@ -262,7 +262,7 @@ def test_against_pairs_each_checkpoint_by_seed_and_problem():
     assert -1.0 <= low < 0.25 < high <= 1.0  # four problems: a resample of all +1 is 6% likely
     assert out["sft"] == {"mean": 0.0, "ci95": [0.0, 0.0], "seeds": [0.0]}
     assert out["control"]["mean"] == 0.0
-    with pytest.raises(SystemExit, match="no seed ran in both"):
+    with pytest.raises(SystemExit, match=r"no seed there ran here too \(here: \[0, 1\], there: \[5\]\)"):
         against(new, [seed(5, [0, 0, 0, 0])], np.random.default_rng(0))
     short = {"seed": 1, "correct": {"sft": [1], "control": [1], "warmup": [1]}}
     with pytest.raises(SystemExit, match="different held-out sets"):
