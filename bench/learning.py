@@ -451,7 +451,9 @@ def main() -> None:
     if args.against is not None:
         import numpy as np
 
-        held_out = [w / "prepared" / "data" / "arith_eval.jsonl" for w in (args.work, args.against)]
+        from pipeline.stages.evaluate import TASK_FILES
+
+        held_out = [w / "prepared" / "data" / TASK_FILES["arith"] for w in (args.work, args.against)]
         if len({p.read_bytes() if p.is_file() else None for p in held_out}) != 1:
             raise SystemExit(f"--against: {held_out[0]} and {held_out[1]} differ (or one is missing): pair only "
                              "runs of the same prepared data")

@@ -27,6 +27,7 @@ import torch
 from pipeline import distributed as dist_utils
 from pipeline.config import GRPOConfig
 from pipeline.errors import InputError
+from pipeline.grpo import informative_groups
 from pipeline.model.policy import Policy
 from pipeline.rollout import Rollout, rollout_prompts
 
@@ -138,7 +139,7 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         times["scoring"] += time.perf_counter() - t1
         sampled.append(rewards)
         sampled_idx += idx
-        informative = rewards.std(dim=1) > 1e-6
+        informative = informative_groups(rewards, G)
         for j, row in enumerate(batch):
             # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)
             if conf.dynamic_sampling and not informative[j] and rounds < conf.max_sampling_rounds:
@@ -239,7 +240,7 @@ def count_levels(counts: dict[str, list[float]], levels: list[int], sampled_idx:
     iteration's groups added (all ranks' where `counts` is the same on every rank: the sums are taken
     across ranks, so the chances stay equal and the ranks' cursors in step)."""
     names = sorted(counts, key=int)
-    informative = (sampled.std(dim=1) > 1e-6).tolist() if sampled.numel() else []
+    informative = informative_groups(sampled, sampled.shape[1]).tolist()
     local = {name: [0.0, 0.0] for name in names}
     for i, inf in zip(sampled_idx, informative):
         local[str(levels[i])][0] += 1.0

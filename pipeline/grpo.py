@@ -61,9 +61,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4,
     return adv.reshape(-1)
 
 
+def informative_groups(rewards: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
+    """(groups,) bool: which groups' rewards are not all equal (the groups that carry a gradient);
+    `rewards` group-contiguous, flat or (groups, G)."""
+    return rewards.float().view(-1, group_size).std(dim=1) > tol
+
+
 def informative_fraction(rewards: torch.Tensor, group_size: int, tol: float = 1e-6) -> float:
     """Fraction of groups whose rewards are not all equal (the groups that carry a gradient)."""
-    return (rewards.float().view(-1, group_size).std(dim=1) > tol).float().mean().item()
+    return informative_groups(rewards, group_size, tol).float().mean().item()
 
 
 def k3_kl(new_logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
