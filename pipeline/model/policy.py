@@ -10,7 +10,8 @@ transformers causal LM), its tokenizer, the device and the compute dtype:
   the per-token log-probs of the GRPO ratio and KL (see the method);
 - ``policy.decoder(max_len)``: a KV-cached incremental decoder (``prefill``/``step``) for rollout;
 - what a trainer needs: ``.module`` (for the optimizer / DDP), ``.runner`` (what ``logits`` calls:
-  the module, or a DDP / ``torch.compile`` wrapper of it), ``.train()``/``.eval()``,
+  the module, or a DDP / ``torch.compile`` wrapper of it), ``.no_sync()`` (DDP's, else a null
+  context), ``.train()``/``.eval()``,
   ``.state_dict()``, ``.frozen_copy()`` (the reference model), ``.num_params()``.
 
 What differs per backend sits in one small ops class each (``GPTOps`` in ``pipeline.model.gpt``,
@@ -204,6 +205,15 @@ class Policy:
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
+
+    def no_sync(self):
+        """DDP's ``no_sync`` (the next backward accumulates without an all-reduce) where the runner is
+        DDP, also under a ``torch.compile`` wrapper of it; a null context where there is no DDP (a plain
+        or compiled module, which has no ``no_sync``)."""
+        ddp = getattr(self.runner, "_orig_mod", self.runner)  # torch.compile's OptimizedModule keeps it here
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            return ddp.no_sync()
+        return contextlib.nullcontext()
 
     def frozen_copy(self) -> Policy:
         """An independent eval-mode copy with requires_grad off (the GRPO reference model)."""

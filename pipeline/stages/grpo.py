@@ -354,7 +354,7 @@ def accumulate_gradients(policy: Policy, conf: GRPOConfig, batch: Batch, rows: s
                              importance=conf.importance, max_len=conf.rollout_len)
         w = loss_units(batch.response_mask[sl], conf.loss_agg) / total
         last = i == len(parts) - 1
-        with contextlib.nullcontext() if last or policy.runner is policy.module else policy.runner.no_sync():
+        with contextlib.nullcontext() if last else policy.no_sync():
             (loss * (w * ddp)).backward()  # DDP all-reduces once, on the last micro-batch
         loss_sum = loss_sum + loss.detach() * (w * ddp)
         for k, v in st.items():
