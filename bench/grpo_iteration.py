@@ -212,8 +212,9 @@ def main() -> None:
     old_pass = not single and not grpo_mod.reuses_sampled_logprobs(policy)  # else the rollout's own log-probs
     shared = policy._shares_prompt(ro.input_ids, ro.attention_mask, Tp, g.group_size)
     flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=old_pass, shared=shared)
-    wall = median(times)
-    mid = min(range(len(times)), key=lambda i: abs(times[i] - wall))  # the (closest to) median iteration
+    # the median iteration (the lower of the middle two for an even count: a real iteration, whose
+    # phases add up to its wall time; the first of two would otherwise stand in for their median)
+    mid = sorted(range(len(times)), key=lambda i: times[i])[(len(times) - 1) // 2]
     phase_s = {p: metrics[mid][f"time_{p}"] for p in PHASES}  # its phases, so they add up to its wall time
     wall = times[mid]
     phase_s["other"] = max(wall - sum(phase_s.values()), 0.0)  # reward scoring, metrics, Python
@@ -235,7 +236,8 @@ def main() -> None:
               f"a square 2048^3 mm: {square / 1e9:.1f} GFLOP/s")
         print(f"bf16 peak of the same shapes: {bf16_peak.best / 1e9:.1f} GFLOP/s" if bf16_peak is not None
               else "bf16: this CPU has no bf16 matmul kernels (emulated bf16 is slower than fp32): no bf16 peak")
-    print(f"iteration: {wall:.3f}s (median of {len(times)}: " + ", ".join(f"{t:.3f}" for t in times) + ")")
+    which = "lower median" if len(times) % 2 == 0 else "median"
+    print(f"iteration: {wall:.3f}s ({which} of {len(times)}: " + ", ".join(f"{t:.3f}" for t in times) + ")")
     print(f"{'phase':10s} {'s':>8s} {'share':>6s} {'GFLOP':>8s} {'GFLOP/s':>8s} {'of peak':>8s}")
     for p, s in phase_s.items():
         f = flops.get(p, 0.0)
