@@ -49,7 +49,7 @@ run() {
     local logs=()  # (an empty TORCH_LOGS breaks `import torch`: set it only where wanted)
     case $name in *compiled) logs=(TORCH_LOGS=recompiles) ;; esac
     local t0=$SECONDS
-    env "${logs[@]}" timeout "$limit" "$py" bench/grpo_iteration.py --params "$params" --set data.val_size=20 "$@" \
+    env ${logs[@]+"${logs[@]}"} timeout "$limit" "$py" bench/grpo_iteration.py --params "$params" --set data.val_size=20 "$@" \
         > "$out/$name.txt" 2>&1
     local rc=$?
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
