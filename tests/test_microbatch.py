@@ -88,3 +88,54 @@ def test_micro_batches_under_torch_compile_give_the_one_batch_gradient(setup):
     assert torch.isfinite(loss)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+
+
+def test_micro_batches_under_ddp_all_reduce_once_per_minibatch(setup):
+    """Under DDP the micro-batches before the last run forward and backward inside `no_sync`, so the
+    minibatch's gradients are all-reduced once (DDP decides at the forward whether the backward
+    reduces: a backward alone inside `no_sync` still reduces). Counted with a comm hook on a real
+    one-process gloo group; the gradient is the one-batch gradient all the same. Also: `no_sync`
+    reaches DDP under a torch.compile wrapper."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    policy, batch = setup
+    g1 = GRPOConfig(group_size=G, kl_coef=0.04)
+    g3 = GRPOConfig(group_size=G, kl_coef=0.04, micro_batch_size=4)  # 12 rows: 3 micro-batches
+    _, _, want = _grad(policy, g1, batch)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = copy.copy(policy)
+        wrapped.module = copy.deepcopy(policy.module)
+        ddp = DDP(wrapped.module)
+        wrapped.runner = ddp
+        calls = []
+
+        def count(state, bucket):  # an all-reduce of one bucket, counted; world size 1: the sum is itself
+            calls.append(bucket.index())
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, count)
+        _, _, _ = _grad(wrapped, g1, batch)
+        once = len(calls)
+        assert once >= 1
+        calls.clear()
+        _, _, got = _grad(wrapped, g3, batch)
+        assert len(calls) == once  # not 3x: the first two micro-batches did not reduce
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+
+        wrapped.runner = torch.compile(ddp, backend="eager")
+        with wrapped.no_sync():
+            assert ddp.require_backward_grad_sync is False
+        assert ddp.require_backward_grad_sync is True
+        wrapped.runner = wrapped.module
+        with wrapped.no_sync():  # no DDP: nothing to hold back
+            assert ddp.require_backward_grad_sync is True
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -345,17 +345,19 @@ def accumulate_gradients(policy: Policy, conf: GRPOConfig, batch: Batch, rows: s
     parts = micro_batches(rows, conf.micro_batch_size)
     loss_sum, stats = torch.zeros((), device=policy.device), {}
     for i, sl in enumerate(parts):
-        new_lp = policy.token_logprobs(batch.input_ids[sl], batch.attention_mask[sl], conf.temperature,
-                                       start=batch.start, group_size=group)
-        old = new_lp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
-        ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
-        loss, st = grpo_loss(new_lp, old, ref, batch.advantages[sl], batch.response_mask[sl], clip=conf.clip,
-                             kl_coef=conf.kl_coef, clip_high=conf.clip_high or None, loss_agg=conf.loss_agg,
-                             importance=conf.importance, max_len=conf.rollout_len)
-        w = loss_units(batch.response_mask[sl], conf.loss_agg) / total
         last = i == len(parts) - 1
+        # DDP all-reduces once, on the last micro-batch: forward and backward both inside `no_sync`
+        # (DDP decides at the forward whether the next backward reduces)
         with contextlib.nullcontext() if last else policy.no_sync():
-            (loss * (w * ddp)).backward()  # DDP all-reduces once, on the last micro-batch
+            new_lp = policy.token_logprobs(batch.input_ids[sl], batch.attention_mask[sl], conf.temperature,
+                                           start=batch.start, group_size=group)
+            old = new_lp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
+            ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
+            loss, st = grpo_loss(new_lp, old, ref, batch.advantages[sl], batch.response_mask[sl], clip=conf.clip,
+                                 kl_coef=conf.kl_coef, clip_high=conf.clip_high or None, loss_agg=conf.loss_agg,
+                                 importance=conf.importance, max_len=conf.rollout_len)
+            w = loss_units(batch.response_mask[sl], conf.loss_agg) / total
+            (loss * (w * ddp)).backward()
         loss_sum = loss_sum + loss.detach() * (w * ddp)
         for k, v in st.items():
             stats[k] = stats.get(k, 0.0) + v * w
