@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check in one run on a CUDA machine, nothing downloaded, at most ~10 minutes (the time
-# limits below add up to 590 s, plus ~20 s to build the model):
+# The GPU check in one run on a CUDA machine, nothing downloaded, at most ~13 minutes (the time
+# limits below add up to 770 s, plus ~20 s to build the model):
 #     bash bench/device_check.sh
 # 1. the tests marked `gpu` (a GRPO iteration and a bf16 LoRA update on CUDA) with the rest of
 #    tests/test_device.py and tests/test_lora.py (the simulated-accelerator check among them);
@@ -12,8 +12,11 @@
 # timed one, and the median of 3 is then the steady state. They log each recompile and its cause
 # (TORCH_LOGS=recompiles) into their output file. Inductor takes over two minutes on the 406M GPT's
 # graphs on an H200 machine's 16 cores, hence that run's 270 s.
+# 4. bench/compiled_grads.py on the same Qwen2: eager against compiled gradients on left-padded
+#    rows (bf16 autocast and fp32), printed and added to results.jsonl.
 # ONLY="gpu_compiled instruct_compiled" runs just the steps named (tests, gpu_eager, gpu_compiled,
-# instruct_eager, instruct_compiled, memory): a rerun of the ones that failed.
+# instruct_eager, instruct_compiled, memory, compiled_grads), adding to results.jsonl: a rerun of
+# the ones that failed.
 # Each `bench/grpo_iteration.py` run measures the bf16 matmul peak on the GPU and reports MFU
 # against it, tokens/s and max CUDA memory; its last line is a JSON object, gathered with the run's
 # name into $OUT/results.jsonl (full outputs: $OUT/<name>.txt). $OUT defaults to .device/out.
@@ -30,16 +33,24 @@ export GSM8K=${GSM8K:-$PWD/tests/fixtures/gsm8k}
 py=${PYTHON:-python3}
 dry=${DEVICE_CHECK_DRY:-0}
 [ -e "$GSM8K" ] || { echo "no GSM8K copy at $GSM8K: set GSM8K to a folder with train.jsonl and test.jsonl" >&2; exit 2; }
-: > "$out/results.jsonl"
+only=${ONLY:-}
+steps=" tests gpu_eager gpu_compiled instruct_eager instruct_compiled memory compiled_grads "
+for s in $only; do
+    [[ $steps == *" $s "* ]] || { echo "ONLY: no step named '$s'; allowed:$steps" >&2; exit 2; }
+done
+wanted() { [ -z "$only" ] || [[ " $only " == *" $1 "* ]]; }
+[ -n "$only" ] || : > "$out/results.jsonl"  # a rerun of some steps adds to the results of the full run
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
   $py -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
           "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
+  $py -c 'import importlib.metadata as m
+for p in ("transformers", "peft", "tokenizers", "safetensors"):
+    try: print(p, m.version(p))
+    except m.PackageNotFoundError: print(p, "not installed")'
 } | tee "$out/env.txt"
 
 has() { $py -c "import $1" 2>/dev/null; }
-only=${ONLY:-}
-wanted() { [ -z "$only" ] || [[ " $only " == *" $1 "* ]]; }
 
 # `run name limit_s params args...`: one timed GRPO iteration set-up (1 warm-up + --iters timed)
 run() {
@@ -83,7 +94,9 @@ run gpu_eager 120 "${gpu[@]}" --iters 2 --set model.compile=false
 run gpu_compiled 270 "${gpu[@]}" --iters 3 --set model.compile=true
 
 # --- 3. configs/instruct.yaml on a random Qwen2 -------------------------------------------------
-if has transformers; then
+if ! { wanted instruct_eager || wanted instruct_compiled || wanted memory || wanted compiled_grads; }; then
+    :
+elif has transformers; then
     tiny=$out/tiny-qwen2
     if [ "$dry" = 1 ]; then
         "$py" bench/tiny_instruct.py "$tiny" --vocab 4096 > /dev/null
@@ -93,14 +106,30 @@ if has transformers; then
         "$py" bench/tiny_instruct.py "$tiny" > /dev/null
         small=()
     fi
-    inst=(configs/instruct.yaml --set "model.init=$tiny" --set model.device=auto "${small[@]}")
+    inst=(configs/instruct.yaml --set "model.init=$tiny" --set model.device=auto ${small[@]+"${small[@]}"})
     run instruct_eager 60 "${inst[@]}" --iters 2 --set model.compile=false
     run instruct_compiled 100 "${inst[@]}" --iters 3 --set model.compile=true
-    wanted memory && "$py" bench/memory.py --estimate --params configs/instruct.yaml --hf-config "$tiny" "${small[@]}" \
+    wanted memory && "$py" bench/memory.py --estimate --params configs/instruct.yaml --hf-config "$tiny" ${small[@]+"${small[@]}"} \
         > "$out/instruct_memory_estimate.txt" 2>&1
     if wanted memory; then
         echo "== instruct memory estimate (measured peak: max_cuda_memory_gib of instruct_eager)"
         head -n 8 "$out/instruct_memory_estimate.txt"
+    fi
+    # 4. eager against compiled gradients of that Qwen2 on left-padded rows, bf16 autocast and fp32
+    # (a compiled configs/instruct.yaml run has had non-finite updates on a GPU); JSON into results
+    if wanted compiled_grads; then
+        for dt in auto float32; do
+            timeout 90 "$py" bench/compiled_grads.py "$tiny" --dtype "$dt" > "$out/grads.tmp" 2>&1
+            rc=$?
+            echo "== compiled_grads --dtype $dt: exit $rc"
+            grep -E "^(device|eager|compiled|largest)" "$out/grads.tmp" || tail -n 5 "$out/grads.tmp"
+            last=$(tail -n 1 "$out/grads.tmp")
+            case $last in
+                "{"*) echo "{\"run\": \"compiled_grads_$dt\", \"exit\": $rc, \"result\": $last}" >> "$out/results.jsonl" ;;
+                *) echo "{\"run\": \"compiled_grads_$dt\", \"exit\": $rc}" >> "$out/results.jsonl" ;;
+            esac
+            rm -f "$out/grads.tmp"
+        done
     fi
 else
     echo "== instruct: skipped (no transformers)"

@@ -1,0 +1,105 @@
+"""Are the gradients of a compiled policy finite and equal to eager ones, on left-padded rows?
+
+    python bench/compiled_grads.py MODEL_DIR [--device auto] [--dtype auto] [--backend inductor]
+                                   [--rows 8] [--width 96] [--start 48] [--seed 0]
+
+MODEL_DIR: a Hugging Face model folder (bench/tiny_instruct.py makes one), or `gpt` for a random
+from-scratch GPT (4 x 128, 8,192-row vocabulary). One batch of random token ids, row i left-padded
+by 4*i columns (so the pad positions' queries see no real key: the case where attention kernels
+differ on fully masked rows), goes through `Policy.token_logprobs` under grad, the summed response
+log-probs are backpropagated, once through the module (eager) and once through
+`torch.compile(module, backend=...)` with `model.compile` on (bucketed widths, as a compiled run
+does). Printed: whether the log-probs and every gradient are finite in each mode, and the largest
+differences between the modes. The last line is a JSON object. bench/device_check.sh runs it on a
+GPU, where a compiled configs/instruct.yaml run has had non-finite updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from pipeline.config import ModelConfig  # noqa: E402
+from pipeline.model.policy import build_policy  # noqa: E402
+
+
+def grads(policy, ids, mask, start):
+    policy.module.zero_grad(set_to_none=True)
+    lp = policy.token_logprobs(ids, mask, 1.0, start=start, group_size=1)
+    resp = mask[:, -lp.shape[1]:].to(lp.dtype) if lp.shape[1] != ids.shape[1] else mask.to(lp.dtype)
+    loss = (lp.float() * resp).sum()
+    loss.backward()
+    g = {n: p.grad.detach().float().clone() for n, p in policy.module.named_parameters() if p.grad is not None}
+    return lp.detach().float(), loss.detach(), g
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--width", type=int, default=96)
+    ap.add_argument("--start", type=int, default=48, help="first response column (the prompt's width)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if 4 * (args.rows - 1) >= args.start:
+        ap.error("--start must exceed the widest left padding, 4 * (rows - 1)")
+
+    torch.manual_seed(args.seed)
+    if args.model == "gpt":
+        class _Vocab:  # the GPT needs only a vocabulary size
+            vocab_size, pad_id = 8192, 0
+
+        cfg = ModelConfig(backend="gpt", n_layer=4, n_head=4, n_embd=128, block_size=256, device=args.device,
+                          dtype=args.dtype)
+        policy = build_policy(cfg, _Vocab())
+    else:
+        cfg = ModelConfig(backend="hf", init=args.model, device=args.device, dtype=args.dtype)
+        policy = build_policy(cfg)
+    vocab = policy.module.get_input_embeddings().num_embeddings if args.model != "gpt" else 8192
+    dev = policy.device
+    ids = torch.randint(0, min(vocab, 4000), (args.rows, args.width), device=dev)
+    mask = torch.ones(args.rows, args.width, dtype=torch.long, device=dev)
+    for i in range(args.rows):
+        mask[i, : 4 * i] = 0
+
+    lp_e, loss_e, g_e = grads(policy, ids, mask, args.start)
+    policy.model_cfg = dataclasses.replace(cfg, compile=True)
+    policy.runner = torch.compile(policy.module, backend=args.backend)
+    lp_c, loss_c, g_c = grads(policy, ids, mask, args.start)
+
+    def finite(lp, g):
+        bad = sorted(n for n, t in g.items() if not bool(torch.isfinite(t).all()))
+        return bool(torch.isfinite(lp).all()), bad
+
+    lp_ok_e, bad_e = finite(lp_e, g_e)
+    lp_ok_c, bad_c = finite(lp_c, g_c)
+    both = torch.isfinite(lp_e) & torch.isfinite(lp_c)
+    lp_diff = float((lp_e - lp_c)[both].abs().max()) if bool(both.any()) else float("nan")
+    g_diff = max((float((g_e[n] - g_c[n]).abs().max() / g_e[n].abs().max().clamp_min(1e-12))
+                  for n in g_e if n in g_c and n not in bad_e and n not in bad_c), default=float("nan"))
+    print(f"device {dev}, dtype {args.dtype}, backend {args.backend}, torch {torch.__version__}; "
+          f"{args.rows} rows x {args.width}, left padding 0..{4 * (args.rows - 1)}")
+    print(f"eager:    log-probs finite {lp_ok_e}, loss {float(loss_e):.6g}, non-finite gradients {len(bad_e)} "
+          f"of {len(g_e)}" + (f" (first: {bad_e[0]})" if bad_e else ""))
+    print(f"compiled: log-probs finite {lp_ok_c}, loss {float(loss_c):.6g}, non-finite gradients {len(bad_c)} "
+          f"of {len(g_c)}" + (f" (first: {bad_c[0]})" if bad_c else ""))
+    print(f"largest |eager - compiled|: log-prob {lp_diff:.3g}; gradient, relative to its tensor's max {g_diff:.3g}")
+    print(json.dumps({"bench": "compiled_grads", "model": args.model, "device": str(dev), "dtype": args.dtype,
+                      "backend": args.backend, "torch": torch.__version__,
+                      "eager": {"logprobs_finite": lp_ok_e, "nonfinite_grads": bad_e},
+                      "compiled": {"logprobs_finite": lp_ok_c, "nonfinite_grads": bad_c},
+                      "max_logprob_diff": lp_diff, "max_rel_grad_diff": g_diff}))
+
+
+if __name__ == "__main__":
+    main()
