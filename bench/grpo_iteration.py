@@ -296,11 +296,14 @@ def main() -> None:
 
 
 def compiled_graphs() -> dict:
-    """torch.compile's graph and recompile counts so far (a recompile per shape shows up here)."""
+    """torch.compile's counts so far: graphs compiled and frames compiled (each recompile of a
+    function is another frame; dynamo keeps no recompile counter of its own, and
+    `TORCH_LOGS=recompiles` names the guard behind each one) and graph breaks."""
     from torch._dynamo.utils import counters
 
     return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "recompiles": int(sum(counters["recompiles"].values()))}
+            "frames_compiled": int(counters["frames"]["ok"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
 if __name__ == "__main__":
