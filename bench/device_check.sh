@@ -65,11 +65,16 @@ run() {
     local rc=$?
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
     grep -E "^(device|model|iteration|rollout|logprobs|update|total|tokens/s|MFU)" "$out/$name.txt"
+    record "$name" "$rc" "$out/$name.txt"
+}
+
+# `record name rc file`: the run's last line (its JSON object) into results.jsonl, or its tail if none
+record() {
     local last
-    last=$(tail -n 1 "$out/$name.txt")
+    last=$(tail -n 1 "$3")
     case $last in
-        "{"*) echo "{\"run\": \"$name\", \"exit\": $rc, \"result\": $last}" >> "$out/results.jsonl" ;;
-        *) echo "{\"run\": \"$name\", \"exit\": $rc}" >> "$out/results.jsonl"; tail -n 5 "$out/$name.txt" ;;
+        "{"*) echo "{\"run\": \"$1\", \"exit\": $2, \"result\": $last}" >> "$out/results.jsonl" ;;
+        *) echo "{\"run\": \"$1\", \"exit\": $2}" >> "$out/results.jsonl"; tail -n 5 "$3" ;;
     esac
 }
 
@@ -122,12 +127,8 @@ elif has transformers; then
             timeout 90 "$py" bench/compiled_grads.py "$tiny" --dtype "$dt" > "$out/grads.tmp" 2>&1
             rc=$?
             echo "== compiled_grads --dtype $dt: exit $rc"
-            grep -E "^(device|eager|compiled|largest)" "$out/grads.tmp" || tail -n 5 "$out/grads.tmp"
-            last=$(tail -n 1 "$out/grads.tmp")
-            case $last in
-                "{"*) echo "{\"run\": \"compiled_grads_$dt\", \"exit\": $rc, \"result\": $last}" >> "$out/results.jsonl" ;;
-                *) echo "{\"run\": \"compiled_grads_$dt\", \"exit\": $rc}" >> "$out/results.jsonl" ;;
-            esac
+            grep -E "^(device|eager|compiled|largest)" "$out/grads.tmp"
+            record "compiled_grads_$dt" "$rc" "$out/grads.tmp"
             rm -f "$out/grads.tmp"
         done
     fi

@@ -215,9 +215,8 @@ def main() -> None:
     flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=old_pass, shared=shared)
     # the median iteration (the lower of the middle two for an even count: a real iteration, whose
     # phases add up to its wall time; the first of two would otherwise stand in for their median)
-    mid = sorted(range(len(times)), key=lambda i: times[i])[(len(times) - 1) // 2]
-    phase_s = {p: metrics[mid][f"time_{p}"] for p in PHASES}  # its phases, so they add up to its wall time
-    wall = times[mid]
+    wall = statistics.median_low(times)
+    phase_s = {p: metrics[times.index(wall)][f"time_{p}"] for p in PHASES}  # its phases: they add up to it
     phase_s["other"] = max(wall - sum(phase_s.values()), 0.0)  # reward scoring, metrics, Python
     gen_tokens = float(ro.response_mask.sum())
     total_flops = sum(flops.values())
