@@ -389,6 +389,46 @@ class HFDecoder:
         return out.logits[:, -1]
 
 
+def _unwrapped(runner) -> nn.Module:
+    """The module under torch.compile's and DDP's wrappers."""
+    while True:
+        inner = getattr(runner, "_orig_mod", None)
+        if inner is None and isinstance(runner, nn.parallel.DistributedDataParallel):
+            inner = runner.module
+        if inner is None:
+            return runner
+        runner = inner
+
+
+def self_attending_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The attention mask to give `model` for a full forward of (B, T) rows and their 0/1 `attention_mask`:
+    with left padding, a (B, 1, T, T) boolean mask (True = attend) in which every query sees the real
+    keys at or before it AND itself; else `attention_mask` unchanged.
+
+    Why: from a 2-D mask transformers builds the causal-and-padding mask, in which a left pad's query
+    sees no key at all. Its attention row is then entirely masked, and what comes out of it is up to
+    the kernel: eager SDPA returns zeros there, but a softmax over a row of -inf is 0/0, and a NaN at
+    a pad position reaches the real positions through the next layer (a weight of 0 times a NaN value
+    is NaN). With each query also seeing itself no row is empty, and nothing else changes: a real
+    query sees itself anyway, and no real query sees a pad. Only for SDPA attention of the plain
+    causal self-attention models whose masks are checked in the tests (Llama, GPT-2, Qwen2 with every
+    layer full attention): other attention functions want other mask formats, and sliding-window or
+    hybrid layers build masks of their own."""
+    compiled = getattr(model, "_orig_mod", None) is not None
+    if not compiled and bool(attention_mask[:, 0].all()):  # no left padding: every query has its own key
+        return attention_mask  # (a compiled forward always gets the 4-D mask: one mask dtype, one graph)
+    cfg = getattr(_unwrapped(model), "config", None)
+    if (cfg is None or getattr(cfg, "_attn_implementation", None) != "sdpa"
+            or getattr(cfg, "model_type", None) not in _SHARED_PREFIX_TYPES
+            or getattr(cfg, "use_sliding_window", False)
+            or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))):
+        return attention_mask
+    T = attention_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    seen = causal & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T): real keys at or before the query
+    return seen | torch.eye(T, dtype=torch.bool, device=attention_mask.device)
+
+
 class HFOps:
     """What :class:`~pipeline.model.policy.Policy` needs from this backend (see there)."""
 
@@ -396,7 +436,7 @@ class HFOps:
     def logits(runner, input_ids, attention_mask, logits_from: int) -> torch.Tensor:
         T = input_ids.shape[1]
         keep = {"logits_to_keep": T - logits_from} if logits_from else {}  # the last T - logits_from columns
-        out = runner(input_ids=input_ids, attention_mask=attention_mask,
+        out = runner(input_ids=input_ids, attention_mask=self_attending_mask(runner, attention_mask),
                      position_ids=positions_from_mask(attention_mask), use_cache=False, **keep)
         return out.logits[:, logits_from:] if out.logits.shape[1] == T else out.logits
 

@@ -1,0 +1,95 @@
+"""The full forward of a transformers policy gives every query at least its own key
+(pipeline.model.hf.self_attending_mask): with left padding, the causal-and-padding mask transformers
+builds leaves the pads' queries with no key, and an attention kernel that does not special-case an
+empty row (a softmax over a row of -inf) returns NaN there, which the next layer spreads to the real
+positions. Here such a kernel stands in for torch's SDPA: the old 2-D mask gives NaN log-probs and
+gradients, the policy's mask finite ones equal to those of torch's own SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.model.hf import self_attending_mask
+from pipeline.model.policy import build_policy
+from tests.conftest import tiny_model_config
+
+
+def softmax_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                 **kwargs):
+    """Attention as its textbook formula: an entirely masked row gives 0/0 = NaN."""
+    if enable_gqa:
+        r = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(r, dim=-3), value.repeat_interleave(r, dim=-3)
+    scores = query @ key.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    T, S = scores.shape[-2:]
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=scores.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    return scores.softmax(-1) @ value
+
+
+def left_padded(vocab: int, rows: int = 4, width: int = 24):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (rows, width), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(rows):
+        mask[i, : 3 * i] = 0  # row 0 unpadded, the others left-padded by 3, 6, 9 columns
+    return ids, mask
+
+
+def logprobs_and_grads(policy, ids, mask, start: int):
+    policy.module.zero_grad(set_to_none=True)
+    lp = policy.token_logprobs(ids, mask, start=start)
+    (lp * mask).sum().backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in policy.module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+def test_left_pads_give_finite_logprobs_and_gradients_under_a_kernel_without_empty_row_handling(
+        kind, hf_dirs, monkeypatch):
+    torch.manual_seed(0)
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
+    assert policy.module.config._attn_implementation == "sdpa"
+    ids, mask = left_padded(policy.tokenizer.vocab_size)
+    want_lp, want_g = logprobs_and_grads(policy, ids, mask, start=12)  # torch's SDPA, which zeroes empty rows
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", softmax_sdpa)
+    lp, g = logprobs_and_grads(policy, ids, mask, start=12)
+    assert torch.isfinite(lp).all() and all(torch.isfinite(t).all() for t in g.values())
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+    for name, t in want_g.items():
+        torch.testing.assert_close(g[name], t, atol=1e-5, rtol=1e-4)
+
+    # the 2-D mask as transformers takes it: the pads' empty rows turn every row's log-probs to NaN
+    monkeypatch.setattr("pipeline.model.hf.self_attending_mask", lambda model, m: m)
+    lp, _ = logprobs_and_grads(policy, ids, mask, start=12)
+    assert not torch.isfinite(lp[1:]).all()
+
+
+def test_the_mask_sees_real_keys_causally_and_each_query_itself(hf_dirs):
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"]))
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0]])
+    got = self_attending_mask(policy.module, mask)
+    assert got.shape == (2, 1, 4, 4) and got.dtype == torch.bool
+    want = torch.tensor([[[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]],  # pads see themselves only
+                         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]], dtype=torch.bool)
+    assert torch.equal(got[:, 0], want)
+
+
+def test_the_2d_mask_is_kept_without_left_padding_or_for_other_attention(hf_dirs):
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"]))
+    right_padded = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert self_attending_mask(policy.module, right_padded) is right_padded
+    left_padded_mask = torch.tensor([[0, 1, 1, 1]])
+    policy.module.config._attn_implementation = "eager"  # wants an additive float mask: transformers builds it
+    try:
+        assert self_attending_mask(policy.module, left_padded_mask) is left_padded_mask
+    finally:
+        policy.module.config._attn_implementation = "sdpa"
+    # under torch.compile's wrapper the module's config is read through it
+    wrapped = torch.compile(policy.module, backend="eager")
+    assert self_attending_mask(wrapped, left_padded_mask).shape == (1, 1, 4, 4)
