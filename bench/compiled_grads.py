@@ -1,15 +1,20 @@
 """Are the gradients of a compiled policy finite and equal to eager ones, on left-padded rows?
 
     python bench/compiled_grads.py MODEL_DIR [--device auto] [--dtype auto] [--backend inductor]
-                                   [--rows 8] [--width 96] [--start 48] [--seed 0]
+                                   [--rows 8] [--width 96] [--start 48] [--pad-step 4] [--mask policy|2d]
+                                   [--seed 0]
 
 MODEL_DIR: a Hugging Face model folder (bench/tiny_instruct.py makes one), or `gpt` for a random
 from-scratch GPT (4 x 128, 8,192-row vocabulary). One batch of random token ids, row i left-padded
-by 4*i columns (so the pad positions' queries see no real key: the case where attention kernels
-differ on fully masked rows), goes through `Policy.token_logprobs` under grad, the summed response
+by `pad_step`*i columns (so the pad positions' queries see no real key: the case where attention
+kernels differ on fully masked rows; 0: no padding), goes through `Policy.token_logprobs` under grad, the summed response
 log-probs are backpropagated, once through the module (eager) and once through
 `torch.compile(module, backend=...)` with `model.compile` on (bucketed widths, as a compiled run
-does). Printed: whether the log-probs and every gradient are finite in each mode, and the largest
+does). `--mask 2d` gives the model the 2-D padding mask, from which transformers builds a mask whose
+left-pad rows are empty (what the policy did before `pipeline.model.hf.self_attending_mask`);
+`policy` (default) is what the policy gives it now. (On an H200 neither mask gives a non-finite
+value at this bench's 8 x 96 shape, while a compiled configs/instruct.yaml iteration with the 2-D
+mask does: 3 non-finite updates in 3, against none with the policy's mask.) Printed: whether the log-probs and every gradient are finite in each mode, and the largest
 differences between the modes. The last line is a JSON object. bench/device_check.sh runs it on a
 GPU, where a compiled configs/instruct.yaml run has had non-finite updates.
 """
@@ -27,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from pipeline.config import ModelConfig  # noqa: E402
+from pipeline.model import hf  # noqa: E402
 from pipeline.model.policy import build_policy  # noqa: E402
 
 
@@ -52,10 +58,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--width", type=int, default=96)
     ap.add_argument("--start", type=int, default=48, help="first response column (the prompt's width)")
+    ap.add_argument("--pad-step", type=int, default=4, help="row i is left-padded by pad_step * i columns")
+    ap.add_argument("--mask", default="policy", choices=["policy", "2d"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if 4 * (args.rows - 1) >= args.start:
-        ap.error("--start must exceed the widest left padding, 4 * (rows - 1)")
+    if args.pad_step < 0 or args.pad_step * (args.rows - 1) >= args.start:
+        ap.error("--start must exceed the widest left padding, pad_step * (rows - 1), and pad_step be >= 0")
+    if args.mask == "2d":
+        hf.self_attending_mask = lambda model, mask: mask
 
     torch.manual_seed(args.seed)
     if args.model == "gpt":
@@ -72,7 +82,7 @@ def main() -> None:
     ids = torch.randint(0, ID_LIMIT, (args.rows, args.width), device=dev)
     mask = torch.ones(args.rows, args.width, dtype=torch.long, device=dev)
     for i in range(args.rows):
-        mask[i, : 4 * i] = 0
+        mask[i, : args.pad_step * i] = 0
 
     lp_e, loss_e, g_e = grads(policy, ids, mask, args.start)
     policy.model_cfg = dataclasses.replace(cfg, compile=True)
@@ -90,14 +100,15 @@ def main() -> None:
     g_diff = max((float((g_e[n] - g_c[n]).abs().max() / g_e[n].abs().max().clamp_min(1e-12))
                   for n in g_e if n in g_c and n not in bad_e and n not in bad_c), default=float("nan"))
     print(f"device {dev}, dtype {args.dtype}, backend {args.backend}, torch {torch.__version__}; "
-          f"{args.rows} rows x {args.width}, left padding 0..{4 * (args.rows - 1)}")
+          f"{args.rows} rows x {args.width}, left padding 0..{args.pad_step * (args.rows - 1)}, mask {args.mask}")
     print(f"eager:    log-probs finite {lp_ok_e}, loss {float(loss_e):.6g}, non-finite gradients {len(bad_e)} "
           f"of {len(g_e)}" + (f" (first: {bad_e[0]})" if bad_e else ""))
     print(f"compiled: log-probs finite {lp_ok_c}, loss {float(loss_c):.6g}, non-finite gradients {len(bad_c)} "
           f"of {len(g_c)}" + (f" (first: {bad_c[0]})" if bad_c else ""))
     print(f"largest |eager - compiled|: log-prob {lp_diff:.3g}; gradient, relative to its tensor's max {g_diff:.3g}")
     print(json.dumps({"bench": "compiled_grads", "model": args.model, "device": str(dev), "dtype": args.dtype,
-                      "backend": args.backend, "torch": torch.__version__,
+                      "backend": args.backend, "torch": torch.__version__, "mask": args.mask,
+                      "pad_step": args.pad_step,
                       "eager": {"logprobs_finite": lp_ok_e, "nonfinite_grads": bad_e},
                       "compiled": {"logprobs_finite": lp_ok_c, "nonfinite_grads": bad_c},
                       "max_logprob_diff": lp_diff, "max_rel_grad_diff": g_diff}))
