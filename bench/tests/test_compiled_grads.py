@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,6 +32,7 @@ def test_compiled_grads_refuses_padding_past_the_prompt():
 
 
 
+@pytest.mark.slow
 def test_compiled_grads_runs_a_transformers_model_with_either_mask(tmp_path):
     model = tmp_path / "qwen2"
     subprocess.run([sys.executable, "bench/tiny_instruct.py", str(model), "--layers", "2", "--width", "64",
