@@ -14,7 +14,7 @@ does). `--mask 2d` gives the model the 2-D padding mask, from which transformers
 left-pad rows are empty (what the policy did before `pipeline.model.hf.self_attending_mask`);
 `policy` (default) is what the policy gives it now. (On an H200 neither mask gives a non-finite
 value at this bench's 8 x 96 shape, while a compiled configs/instruct.yaml iteration with the 2-D
-mask does: 3 non-finite updates in 3, against none with the policy's mask.) Printed: whether the log-probs and every gradient are finite in each mode, and the largest
+mask does: it stops on 3 consecutive non-finite updates, and with the policy's mask it trains.) Printed: whether the log-probs and every gradient are finite in each mode, and the largest
 differences between the modes. The last line is a JSON object. bench/device_check.sh runs it on a
 GPU, where a compiled configs/instruct.yaml run has had non-finite updates.
 """

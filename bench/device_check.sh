@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one run on a CUDA machine, nothing downloaded, at most ~14 minutes (the time
-# limits below add up to 840 s, plus ~20 s to build the model; on an H200 machine the steps take
-# about 7 minutes together):
+# limits below add up to 840 s, plus ~20 s to build the model; on an H200 machine the steps took
+# 9-10 minutes together, from the times of their parts):
 #     bash bench/device_check.sh
 # 1. the tests marked `gpu` (a GRPO iteration and a bf16 LoRA update on CUDA) with the rest of
 #    tests/test_device.py and tests/test_lora.py (the simulated-accelerator check among them);
