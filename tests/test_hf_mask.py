@@ -1,11 +1,14 @@
 """The full forward of a transformers policy gives every query at least its own key
 (pipeline.model.hf.self_attending_mask): with left padding, the causal-and-padding mask transformers
-builds leaves the pads' queries with no key, and an attention kernel that does not special-case an
-empty row (a softmax over a row of -inf) returns NaN there, which the next layer spreads to the real
-positions. Here such a kernel stands in for torch's SDPA: the old 2-D mask gives NaN log-probs and
-gradients, the policy's mask finite ones equal to those of torch's own SDPA."""
+builds from a 2-D mask leaves the pads' queries with no key, and an attention kernel that does not
+special-case an empty row (a softmax over a row of -inf) returns NaN there, which the next layer
+spreads to the real positions. Here such a kernel stands in for torch's SDPA: with the 2-D mask the
+log-probs come out NaN, with the policy's mask finite and equal, with their gradients, to those of
+torch's own SDPA; and at real positions the policy's mask gives what the 2-D mask gives."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -55,7 +58,7 @@ def test_left_pads_give_finite_logprobs_and_gradients_under_a_kernel_without_emp
     policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
     assert policy.module.config._attn_implementation == "sdpa"
     ids, mask = left_padded(policy.tokenizer.vocab_size)
-    want_lp, want_g = logprobs_and_grads(policy, ids, mask, start=12)  # torch's SDPA, which zeroes empty rows
+    want_lp, want_g = logprobs_and_grads(policy, ids, mask, start=12)  # torch's SDPA
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", softmax_sdpa)
     lp, g = logprobs_and_grads(policy, ids, mask, start=12)
@@ -64,10 +67,24 @@ def test_left_pads_give_finite_logprobs_and_gradients_under_a_kernel_without_emp
     for name, t in want_g.items():
         torch.testing.assert_close(g[name], t, atol=1e-5, rtol=1e-4)
 
-    # the 2-D mask as transformers takes it: the pads' empty rows turn every row's log-probs to NaN
+    # the 2-D mask as transformers takes it: the pads' empty rows turn the padded rows' log-probs to NaN
     monkeypatch.setattr("pipeline.model.hf.self_attending_mask", lambda model, m: m)
     lp, _ = logprobs_and_grads(policy, ids, mask, start=12)
     assert not torch.isfinite(lp[1:]).all()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+def test_real_positions_get_what_the_2d_mask_gives(kind, hf_dirs, monkeypatch):
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
+    ids, mask = left_padded(policy.tokenizer.vocab_size, rows=5)
+    mask[4] = 0  # a row of pads only
+    with torch.no_grad():
+        ours = policy.logits(ids, mask)
+        monkeypatch.setattr("pipeline.model.hf.self_attending_mask", lambda model, m: m)
+        theirs = policy.logits(ids, mask)  # torch's SDPA on transformers' mask from the 2-D one
+    real = mask.bool()
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-6, rtol=0)
 
 
 def test_the_mask_sees_real_keys_causally_and_each_query_itself(hf_dirs):
@@ -90,6 +107,26 @@ def test_the_2d_mask_is_kept_without_left_padding_or_for_other_attention(hf_dirs
         assert self_attending_mask(policy.module, left_padded_mask) is left_padded_mask
     finally:
         policy.module.config._attn_implementation = "sdpa"
-    # under torch.compile's wrapper the module's config is read through it
+    # under torch.compile's wrapper the module's config is read through it, and the mask is 4-D even
+    # without padding (one mask dtype: no recompile between padded and unpadded batches)
     wrapped = torch.compile(policy.module, backend="eager")
     assert self_attending_mask(wrapped, left_padded_mask).shape == (1, 1, 4, 4)
+    assert self_attending_mask(wrapped, torch.ones(2, 4, dtype=torch.long)).shape == (2, 1, 4, 4)
+
+
+def test_a_compiled_model_without_the_mask_is_warned_about_once(hf_dirs, caplog, monkeypatch):
+    import pipeline.model.hf as hf
+
+    monkeypatch.setattr(hf, "_warned_2d_mask", [])
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"]))
+    policy.module.config._attn_implementation = "eager"
+    wrapped = torch.compile(policy.module, backend="eager")
+    left = torch.tensor([[0, 1, 1, 1]])
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipeline.model.hf"):
+            assert self_attending_mask(wrapped, left) is left
+            assert self_attending_mask(wrapped, left) is left
+    finally:
+        policy.module.config._attn_implementation = "sdpa"
+    warned = [r for r in caplog.records if "model.compile" in r.getMessage()]
+    assert len(warned) == 1 and "llama with eager attention" in warned[0].getMessage()
