@@ -7,16 +7,16 @@
 MODEL_DIR: a Hugging Face model folder (bench/tiny_instruct.py makes one), or `gpt` for a random
 from-scratch GPT (4 x 128, 8,192-row vocabulary). One batch of random token ids, row i left-padded
 by `pad_step`*i columns (so the pad positions' queries see no real key: the case where attention
-kernels differ on fully masked rows; 0: no padding), goes through `Policy.token_logprobs` under grad, the summed response
-log-probs are backpropagated, once through the module (eager) and once through
-`torch.compile(module, backend=...)` with `model.compile` on (bucketed widths, as a compiled run
-does). `--mask 2d` gives the model the 2-D padding mask, from which transformers builds a mask whose
-left-pad rows are empty (what the policy did before `pipeline.model.hf.self_attending_mask`);
-`policy` (default) is what the policy gives it now. (On an H200 neither mask gives a non-finite
-value at this bench's 8 x 96 shape, while a compiled configs/instruct.yaml iteration with the 2-D
-mask does: it stops on 3 consecutive non-finite updates, and with the policy's mask it trains.) Printed: whether the log-probs and every gradient are finite in each mode, and the largest
-differences between the modes. The last line is a JSON object. bench/device_check.sh runs it on a
-GPU, where a compiled configs/instruct.yaml run has had non-finite updates.
+kernels differ on fully masked rows; 0: no padding), goes through `Policy.token_logprobs` under
+grad, the summed response log-probs are backpropagated, once through the module (eager) and once
+through `torch.compile(module, backend=...)` with `model.compile` on (bucketed widths, as a
+compiled run does). `--mask policy` (default): the model gets the mask the policy gives it
+(`pipeline.model.hf.self_attending_mask`: 4-D, every query sees itself); `--mask 2d`: the 2-D
+padding mask, from which transformers builds one whose left pads' rows are empty. Printed: whether
+the log-probs and every gradient are finite in each mode, the largest differences between the
+modes, and the number of dimensions of the mask the model got. The last line is a JSON object.
+bench/device_check.sh runs it on a GPU (docs/results/speed.md, "How fast is a GRPO iteration on a
+GPU?", says what it showed there).
 """
 
 from __future__ import annotations
@@ -84,7 +84,12 @@ def main() -> None:
     for i in range(args.rows):
         mask[i, : args.pad_step * i] = 0
 
+    mask_ndims = []  # of the attention mask the model gets, in the eager pass
+    hook = policy.module.register_forward_pre_hook(
+        lambda module, a, kw: mask_ndims.append(kw.get("attention_mask", a[1] if len(a) > 1 else None).ndim),
+        with_kwargs=True)
     lp_e, loss_e, g_e = grads(policy, ids, mask, args.start)
+    hook.remove()
     policy.model_cfg = dataclasses.replace(cfg, compile=True)
     policy.runner = torch.compile(policy.module, backend=args.backend)
     lp_c, loss_c, g_c = grads(policy, ids, mask, args.start)
@@ -100,14 +105,14 @@ def main() -> None:
     g_diff = max((float((g_e[n] - g_c[n]).abs().max() / g_e[n].abs().max().clamp_min(1e-12))
                   for n in g_e if n in g_c and n not in bad_e and n not in bad_c), default=float("nan"))
     print(f"device {dev}, dtype {args.dtype}, backend {args.backend}, torch {torch.__version__}; "
-          f"{args.rows} rows x {args.width}, left padding 0..{args.pad_step * (args.rows - 1)}, mask {args.mask}")
+          f"{args.rows} rows x {args.width}, left padding 0..{args.pad_step * (args.rows - 1)}, mask {args.mask} ({mask_ndims[0]}-D)")
     print(f"eager:    log-probs finite {lp_ok_e}, loss {float(loss_e):.6g}, non-finite gradients {len(bad_e)} "
           f"of {len(g_e)}" + (f" (first: {bad_e[0]})" if bad_e else ""))
     print(f"compiled: log-probs finite {lp_ok_c}, loss {float(loss_c):.6g}, non-finite gradients {len(bad_c)} "
           f"of {len(g_c)}" + (f" (first: {bad_c[0]})" if bad_c else ""))
     print(f"largest |eager - compiled|: log-prob {lp_diff:.3g}; gradient, relative to its tensor's max {g_diff:.3g}")
     print(json.dumps({"bench": "compiled_grads", "model": args.model, "device": str(dev), "dtype": args.dtype,
-                      "backend": args.backend, "torch": torch.__version__, "mask": args.mask,
+                      "backend": args.backend, "torch": torch.__version__, "mask": args.mask, "mask_ndim": mask_ndims[0],
                       "pad_step": args.pad_step,
                       "eager": {"logprobs_finite": lp_ok_e, "nonfinite_grads": bad_e},
                       "compiled": {"logprobs_finite": lp_ok_c, "nonfinite_grads": bad_c},

@@ -31,7 +31,6 @@ def test_compiled_grads_refuses_padding_past_the_prompt():
     assert out.returncode == 2 and "--start must exceed" in out.stderr
 
 
-
 @pytest.mark.slow
 def test_compiled_grads_runs_a_transformers_model_with_either_mask(tmp_path):
     model = tmp_path / "qwen2"
@@ -43,9 +42,10 @@ def test_compiled_grads_runs_a_transformers_model_with_either_mask(tmp_path):
                               "--device", "cpu", "--rows", "4", "--width", "40", "--start", "20", "--pad-step", "3",
                               "--mask", mask], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
-        assert f"left padding 0..9, mask {mask}" in out.stdout
+        ndim = 2 if mask == "2d" else 4
+        assert f"left padding 0..9, mask {mask} ({ndim}-D)" in out.stdout
         res = json.loads(out.stdout.strip().splitlines()[-1])
-        assert (res["mask"], res["pad_step"]) == (mask, 3)
+        assert (res["mask"], res["mask_ndim"], res["pad_step"]) == (mask, ndim, 3)
         assert res["compiled"] == {"logprobs_finite": True, "nonfinite_grads": []}
         assert res["max_logprob_diff"] < 1e-5 and res["max_rel_grad_diff"] < 1e-5
 
