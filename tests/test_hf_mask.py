@@ -130,3 +130,38 @@ def test_a_compiled_model_without_the_mask_is_warned_about_once(hf_dirs, caplog,
         policy.module.config._attn_implementation = "sdpa"
     warned = [r for r in caplog.records if "model.compile" in r.getMessage()]
     assert len(warned) == 1 and "llama with eager attention" in warned[0].getMessage()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+def test_rollouts_and_shared_prompt_passes_do_not_need_the_kernel_to_zero_empty_rows(kind, hf_dirs, monkeypatch):
+    """The eager prompt prefills (the rollout decoder's and the shared-prompt log-prob pass's) give the
+    prompts the same mask: with the textbook kernel a rollout of left-padded prompts samples the same
+    tokens with the same log-probs as with torch's SDPA, and the shared-prompt pass gives the same
+    log-probs; with the 2-D mask the padded prompts' rows sample with NaN log-probs (which the GRPO
+    stage refuses)."""
+    from pipeline.rollout import rollout_prompts
+
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
+    V = policy.tokenizer.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (3, 7, 11)]  # left-padded by 8, 4, 0
+
+    def roll():
+        r = rollout_prompts(policy, None, 2, 6, generator=torch.Generator().manual_seed(1), stop_ids=[],
+                            prompt_ids=prompts)
+        with torch.no_grad():
+            shared = policy.token_logprobs(r.input_ids, r.attention_mask, start=r.prompt_len, group_size=2)
+        return r, shared
+
+    want, want_shared = roll()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", softmax_sdpa)
+    got, got_shared = roll()
+    assert torch.equal(got.input_ids, want.input_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    assert torch.isfinite(got_shared).all()
+    torch.testing.assert_close(got_shared, want_shared, atol=1e-5, rtol=0)
+
+    monkeypatch.setattr("pipeline.model.hf.self_attending_mask", lambda model, m: m)
+    r, shared = roll()
+    assert torch.isnan(r.logprobs[:4]).any() and torch.isnan(shared[:4]).any()  # the two padded prompts' rows
+    assert torch.isfinite(r.logprobs[4:]).all()  # the unpadded prompt's rows

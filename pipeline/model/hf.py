@@ -198,7 +198,8 @@ def hf_shared_prefix_logits(model: nn.Module, input_ids, attention_mask, positio
     T = input_ids.shape[1]
     cache = DynamicCache(config=model.config)
     key = _cache_kwarg(model)
-    out = model(input_ids=input_ids[::group, :start], attention_mask=attention_mask[::group, :start],
+    prompt_mask = self_attending_mask(model, attention_mask[::group, :start])  # the cache is empty: keys = queries
+    out = model(input_ids=input_ids[::group, :start], attention_mask=prompt_mask,
                 position_ids=position_ids[::group, :start], use_cache=True, logits_to_keep=1, **{key: cache})
     first = out.logits[:, -1:].repeat_interleave(group, dim=0)  # (N, 1, V): position start-1
     if T - 1 == start:
@@ -305,7 +306,10 @@ class HFDecoder:
         """Run the prompts once; rows of a group share (or get a copy of) their prompt's cache;
         last logits (B*r, V)."""
         B, T = input_ids.shape
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        # a DynamicCache starts empty, so the prefill's keys are its queries and the self-attending mask
+        # fits; a StaticCache's keys are max_len wide (those models take transformers' own mask anyway)
+        mask = self_attending_mask(self.model, attention_mask) if self.shared else attention_mask
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self.key: self.cache})
         if self.shared:
             # the prompts' keys transposed once for the whole rollout (see grouped_prefix_attention)
@@ -408,7 +412,8 @@ _warned_2d_mask: list[bool] = []
 
 
 def self_attending_mask(model: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The attention mask to give `model` for a full forward of (B, T) rows and their 0/1 `attention_mask`:
+    """The attention mask to give `model` for a forward of (B, T) rows and their 0/1 `attention_mask`
+    whose keys are those T positions (a full forward, or a prompt prefill into an empty DynamicCache):
     with left padding, a (B, 1, T, T) boolean mask (True = attend) in which every query sees the real
     keys at or before it AND itself; else `attention_mask` unchanged.
 
