@@ -65,7 +65,7 @@ run() {
         > "$out/$name.txt" 2>&1
     local rc=$?
     echo "== $name: exit $rc after $((SECONDS - t0)) s"
-    grep -E "^(device|model|iteration|rollout|logprobs|update|total|tokens/s|MFU)" "$out/$name.txt"
+    grep -E "^(device|model|iteration|rollout|logprobs|update|total|tokens/s|MFU|optimizer steps skipped)" "$out/$name.txt"
     record "$name" "$rc" "$out/$name.txt"
 }
 

@@ -246,6 +246,8 @@ def main() -> None:
     rate = total_flops / wall
     print(f"{'total':10s} {wall:8.3f} {1:6.0%} {total_flops / 1e9:8.2f} {rate / 1e9:8.2f} {rate / peak:8.1%}")
     print(f"tokens/s (generated tokens / iteration wall): {gen_tokens / wall:.0f}")
+    skipped = int(metrics[-1].get("skipped_steps", 0)) if metrics else 0  # the trainer's count, warm-up included
+    print(f"optimizer steps skipped as non-finite (warm-up included): {skipped}")
     if cuda:
         print(f"MFU: {rate / peak:.1%} of the measured bf16 peak"
               + (f", {rate / spec:.1%} of the datasheet's" if spec else "")
@@ -288,7 +290,7 @@ def main() -> None:
           "train_shape_matmul_gflop_s": round(ceil_train / 1e9, 2),
           "generated_tokens": gen_tokens, "tokens_per_s": round(gen_tokens / wall, 1),
           "matmul_params": N, "rows": rows, "prompt_width": Tp, "decode_steps": steps, "shared_prompt": shared,
-          "device": gpu_name or "cpu",
+          "device": gpu_name or "cpu", "skipped_steps": skipped,
           **({"mfu_datasheet": round(rate / spec, 4), "datasheet_bf16_tflop_s": spec / 1e12} if spec else {}),
           **({"max_cuda_memory_gib": round(max_mem / 2**30, 3)} if cuda else {}),
           **({"compiled_graphs": compiled_graphs()} if cfg.model.compile else {}), **ab})
