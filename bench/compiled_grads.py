@@ -11,7 +11,7 @@ kernels differ on fully masked rows; 0: no padding), goes through `Policy.token_
 grad, the summed response log-probs are backpropagated, once through the module (eager) and once
 through `torch.compile(module, backend=...)` with `model.compile` on (bucketed widths, as a
 compiled run does). `--mask policy` (default): the model gets the mask the policy gives it
-(`pipeline.model.hf.self_attending_mask`: 4-D, every query sees itself); `--mask 2d`: the 2-D
+(`pipeline.model.hf_mask.self_attending_mask`: 4-D, every query sees itself); `--mask 2d`: the 2-D
 padding mask, from which transformers builds one whose left pads' rows are empty. Printed: whether
 the log-probs and every gradient are finite in each mode, the largest differences between the
 modes, and the number of dimensions of the mask the model got. The last line is a JSON object.

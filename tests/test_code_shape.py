@@ -15,7 +15,7 @@ PIPELINE = ROOT / "pipeline"
 # bottom to top; a module may import (at any depth of its code) only modules of lower layers
 LAYERS = [
     ["errors", "utils", "config", "distributed", "progress", "rewards.parsing",
-     "model.attention", "model.fastpaths", "model.packed"],
+     "model.attention", "model.fastpaths", "model.packed", "model.hf_mask"],
     ["config_loading", "config_render", "kernels", "lock", "rewards.verifiers", "tokenizer", "grpo", "summary",
      "model.logprobs", "model.lora", "model.fused_decode"],
     ["data.schema", "data.prompts", "model.gpt", "model.hf", "training", "tracking.common"],

@@ -1,6 +1,6 @@
 """The full forward and the prompt prefills of a transformers policy give every query at least its
-own key (pipeline.model.hf.self_attending_mask): with left padding, the causal-and-padding mask transformers
-builds from a 2-D mask leaves the pads' queries with no key, and an attention kernel that does not
+own key (pipeline.model.hf_mask.self_attending_mask, as pipeline.model.hf calls it): with left
+padding, the causal-and-padding mask transformers builds from a 2-D mask leaves the pads' queries with no key, and an attention kernel that does not
 special-case an empty row (a softmax over a row of -inf) returns NaN there, which the next layer
 spreads to the real positions. Here such a kernel stands in for torch's SDPA: with the 2-D mask the
 log-probs come out NaN, with the policy's mask finite and equal, with their gradients, to those of
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.hf import self_attending_mask
+from pipeline.model.hf_mask import self_attending_mask
 from pipeline.model.policy import build_policy
 from tests.conftest import tiny_model_config
 
@@ -116,15 +116,15 @@ def test_the_2d_mask_is_kept_without_left_padding_or_for_other_attention(hf_dirs
 
 
 def test_a_compiled_model_without_the_mask_is_warned_about_once(hf_dirs, caplog, monkeypatch):
-    import pipeline.model.hf as hf
+    import pipeline.model.hf_mask as hf_mask
 
-    monkeypatch.setattr(hf, "_warned_2d_mask", [])
+    monkeypatch.setattr(hf_mask, "_warned_2d_mask", [])
     policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"]))
     policy.module.config._attn_implementation = "eager"
     wrapped = torch.compile(policy.module, backend="eager")
     left = torch.tensor([[0, 1, 1, 1]])
     try:
-        with caplog.at_level(logging.WARNING, logger="pipeline.model.hf"):
+        with caplog.at_level(logging.WARNING, logger="pipeline.model.hf_mask"):
             assert self_attending_mask(wrapped, left) is left
             assert self_attending_mask(wrapped, left) is left
     finally:
