@@ -105,15 +105,16 @@ def main() -> None:
     g_diff = max((float((g_e[n] - g_c[n]).abs().max() / g_e[n].abs().max().clamp_min(1e-12))
                   for n in g_e if n in g_c and n not in bad_e and n not in bad_c), default=float("nan"))
     print(f"device {dev}, dtype {args.dtype}, backend {args.backend}, torch {torch.__version__}; "
-          f"{args.rows} rows x {args.width}, left padding 0..{args.pad_step * (args.rows - 1)}, mask {args.mask} ({mask_ndims[0]}-D)")
+          f"{args.rows} rows x {args.width}, left padding 0..{args.pad_step * (args.rows - 1)}, "
+          f"mask {args.mask} ({mask_ndims[0]}-D)")
     print(f"eager:    log-probs finite {lp_ok_e}, loss {float(loss_e):.6g}, non-finite gradients {len(bad_e)} "
           f"of {len(g_e)}" + (f" (first: {bad_e[0]})" if bad_e else ""))
     print(f"compiled: log-probs finite {lp_ok_c}, loss {float(loss_c):.6g}, non-finite gradients {len(bad_c)} "
           f"of {len(g_c)}" + (f" (first: {bad_c[0]})" if bad_c else ""))
     print(f"largest |eager - compiled|: log-prob {lp_diff:.3g}; gradient, relative to its tensor's max {g_diff:.3g}")
     print(json.dumps({"bench": "compiled_grads", "model": args.model, "device": str(dev), "dtype": args.dtype,
-                      "backend": args.backend, "torch": torch.__version__, "mask": args.mask, "mask_ndim": mask_ndims[0],
-                      "pad_step": args.pad_step,
+                      "backend": args.backend, "torch": torch.__version__, "mask": args.mask,
+                      "mask_ndim": mask_ndims[0], "pad_step": args.pad_step,
                       "eager": {"logprobs_finite": lp_ok_e, "nonfinite_grads": bad_e},
                       "compiled": {"logprobs_finite": lp_ok_c, "nonfinite_grads": bad_c},
                       "max_logprob_diff": lp_diff, "max_rel_grad_diff": g_diff}))
