@@ -2,10 +2,10 @@
 own key (pipeline.model.hf_mask.self_attending_mask, as pipeline.model.hf calls it): with left
 padding, the causal-and-padding mask transformers builds from a 2-D mask leaves the pads' queries
 with no key, and an attention kernel that does not special-case an empty row (a softmax over a row
-of -inf) returns NaN there, which the next layer spreads to the real positions. Here such a kernel stands in for torch's SDPA: with the 2-D mask the
-log-probs come out NaN, with the policy's mask finite and equal, with their gradients, to those of
-torch's own SDPA, and rollouts sample the same tokens; and at real positions the policy's mask
-gives what the 2-D mask gives."""
+of -inf) returns NaN there, which the next layer spreads to the real positions. Here such a kernel
+stands in for torch's SDPA: with the 2-D mask the log-probs come out NaN, with the policy's mask
+finite and equal, with their gradients, to those of torch's own SDPA, and rollouts sample the same
+tokens; and at real positions the policy's mask gives what the 2-D mask gives."""
 
 from __future__ import annotations
 
