@@ -289,8 +289,8 @@ class WarmupConfig(GRPOConfig):
 # The warmup's own defaults (its other fields default as for grpo): short arithmetic answers (a
 # column-by-column level-4 answer needs up to ~68 tokens), more prompts, a schedule, dynamic sampling on
 # (the same end point in two thirds of the iterations, docs/results/cpu-defaults.md), and four clipped
-# updates per rollout batch (minibatches of 4 groups); the temperature stays grpo's 1.0, which keeps more
-# groups informative than 0.7 on a start that solves most problems (docs/results/learning.md). 185
+# updates per rollout batch (minibatches of 4 groups); the temperature stays grpo's 1.0 (the recipe docs/results/learning.md
+# measures; the earlier recipe's 0.7 was not compared with it on this start). 185
 # iterations take the control's wall time (the two run side by side, one core each).
 WARMUP_DEFAULTS: dict[str, Any] = dict(
     iterations=185, prompts_per_iter=16, minibatch_groups=4, lr=1e-4, lr_schedule="cosine", warmup_iters=10,
