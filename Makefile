@@ -70,7 +70,8 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	$(BENCH_BIN)/python -m pip show trl transformers | grep -E '^(Name|Version)'
 	touch $@
 
-# The speed, memory and overhead benchmarks once each, on the CPU defaults (minutes each on a 2-core machine; GSM8K as for `run`).
+# The speed, memory and overhead benchmarks once each, on the CPU defaults (minutes each on a
+# 2-core machine; GSM8K as for `run`).
 bench: setup bench-venv
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python bench/grpo_iteration.py $(if $(GSM8K),--gsm8k $(GSM8K))
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BENCH_BIN)/python bench/vs_trl.py

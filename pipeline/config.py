@@ -289,9 +289,9 @@ class WarmupConfig(GRPOConfig):
 # The warmup's own defaults (its other fields default as for grpo): short arithmetic answers (a
 # column-by-column level-4 answer needs up to ~68 tokens), more prompts, a schedule, dynamic sampling on
 # (the same end point in two thirds of the iterations, docs/results/cpu-defaults.md), and four clipped
-# updates per rollout batch (minibatches of 4 groups); the temperature stays grpo's 1.0 (the recipe docs/results/learning.md
-# measures; the earlier recipe's 0.7 was not compared with it on this start). 185
-# iterations take the control's wall time (the two run side by side, one core each).
+# updates per rollout batch (minibatches of 4 groups); the temperature stays grpo's 1.0 (the recipe
+# docs/results/learning.md measures; the earlier recipe's 0.7 was not compared with it on this start).
+# 185 iterations take the control's wall time (the two run side by side, one core each).
 WARMUP_DEFAULTS: dict[str, Any] = dict(
     iterations=185, prompts_per_iter=16, minibatch_groups=4, lr=1e-4, lr_schedule="cosine", warmup_iters=10,
     dynamic_sampling=True, rollout_len=72, eval_every=50, eval_samples=200, save_every=10,
