@@ -24,9 +24,10 @@ def test_group_advantages_hand_computed():
 def test_group_advantages_variants():
     r = torch.tensor([1.0, 0.0, 3.0, 3.0])
     torch.testing.assert_close(group_advantages(r, 2, norm="none"), torch.tensor([0.5, -0.5, 0.0, 0.0]))
-    batch_std = r.std()
+    # batch norm: the group-centred values over the std of all rewards, [1, 0, 3, 3]: mean 1.75,
+    # unbiased variance (0.5625 + 3.0625 + 1.5625 + 1.5625) / 3 = 2.25, std 1.5
     torch.testing.assert_close(group_advantages(r, 2, norm="batch"),
-                               torch.tensor([0.5, -0.5, 0.0, 0.0]) / (batch_std + 1e-4))
+                               torch.tensor([0.5, -0.5, 0.0, 0.0]) / (1.5 + 1e-4))
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(r, 3)
 
@@ -103,6 +104,26 @@ def test_loss_hand_computed_single_token():
     assert stats["clipfrac"] == 1.0 and stats["clipfrac_high"] == 1.0 and stats["kl"] == 0.0
 
 
+def test_clipped_surrogate_all_four_sign_and_side_cases():
+    """One token per row, kl 0, ratios 0.5 / 1.5 / 0.5 / 1.5 with A = -1 / -1 / +1 / +1, clip 0.2:
+      A<0, r=0.5: min(-0.5, -0.8) = -0.8, clipped (constant): gradient 0
+      A<0, r=1.5: min(-1.5, -1.2) = -1.5, unclipped: d(r*A)/dlogp = r*A = -1.5
+      A>0, r=0.5: min(0.5, 0.8) = 0.5, unclipped: r*A = 0.5
+      A>0, r=1.5: min(1.5, 1.2) = 1.2, clipped: gradient 0
+    loss = -mean = -(-0.8 - 1.5 + 0.5 + 1.2) / 4 = 0.15; d loss / d logp = -(r*A)/4 where unclipped."""
+    new = torch.tensor([[0.5], [1.5], [0.5], [1.5]]).log().requires_grad_(True)
+    old = torch.zeros(4, 1)
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0])
+    loss, st = grpo_loss(new, old, None, adv, torch.ones(4, 1), clip=0.2, kl_coef=0.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.15)
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0], [0.375], [-0.125], [0.0]]))
+    # the clip binds on the first (low side, A<0) and the last (high side, A>0) row
+    assert st["clipfrac_low"].item() == pytest.approx(1 / 4)
+    assert st["clipfrac_high"].item() == pytest.approx(1 / 4)
+    assert st["clipfrac"].item() == 1.0  # every ratio is outside [0.8, 1.2]
+
+
 def test_zero_advantage_gives_zero_policy_gradient():
     new, old, ref, _, mask = _batch(1)
     a = new.clone().requires_grad_(True)
@@ -151,18 +172,24 @@ def test_loss_statistics_stay_tensors_on_the_loss_device():
 
 
 def test_aggregations_hand_computed():
-    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
-    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    """Masked cells hold large values (a pad token's surrogate is not 0 in a real batch) and the third
+    row has no response tokens: dropping the mask from any sum, or counting the empty row as a
+    sequence in the per-sequence mean, changes the result."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0], [7.0, 7.0, 7.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert aggregate(x, m, "token-mean").item() == pytest.approx(10 / 4)
     assert aggregate(x, m, "seq-mean-token-mean").item() == pytest.approx((2.0 + 4.0) / 2)
-    assert aggregate(x, m, "seq-mean-token-sum-norm", max_len=5).item() == pytest.approx(10 / (2 * 5))
+    # Dr. GRPO divides by every sequence (3) times the generation budget (5)
+    assert aggregate(x, m, "seq-mean-token-sum-norm", max_len=5).item() == pytest.approx(10 / (3 * 5))
+    assert aggregate(x, m, "seq-mean-token-sum-norm").item() == pytest.approx(10 / (3 * 3))
     with pytest.raises(ValueError, match="allowed"):
         aggregate(x, m, "bogus")
 
 
 def test_sequence_importance_uses_length_normalised_ratio():
+    # the masked first position carries a log-ratio of +5: it must not enter the sequence's mean
     new = torch.tensor([[0.0, -1.0, -1.0]])
-    old = torch.tensor([[0.0, -1.2, -1.4]])
+    old = torch.tensor([[-5.0, -1.2, -1.4]])
     mask = torch.tensor([[0.0, 1.0, 1.0]])
     loss, st = grpo_loss(new, old, None, torch.tensor([1.0]), mask, clip=0.5, kl_coef=0.0, importance="sequence")
     s = math.exp((0.2 + 0.4) / 2)
