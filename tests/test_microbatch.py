@@ -2,7 +2,9 @@
 of one pass over the whole minibatch (fp64, to 1e-7), for every loss aggregation and importance
 mode, micro-batch sizes that divide G, are multiples of it, or neither (sizes that are not multiples
 of G take the plain log-prob path for some rows; the plain and shared-prompt paths agree to ~4e-9 in
-fp64 themselves, hence 1e-7, inside 1e-6)."""
+fp64 themselves, hence 1e-7, inside 1e-6), with the old log-probs taken from the policy (ratio 1) or
+recorded at sampling time (ratios away from 1, so the clip binds and each micro-batch must read its
+own rows of them)."""
 
 from __future__ import annotations
 
@@ -33,9 +35,13 @@ def setup(tiny_tokenizer):
     with torch.no_grad():
         lp = policy.token_logprobs(ro.input_ids, ro.attention_mask, start=ro.prompt_len, group_size=G)
     ref = lp - 0.05 * torch.rand(lp.shape, generator=torch.Generator().manual_seed(1), dtype=lp.dtype)
-    batch = Batch(ro.input_ids, ro.attention_mask, ro.response_mask, group_advantages(rewards, G), None,
-                  ref * ro.response_mask, ro.prompt_len)
-    return policy, batch
+    old = lp - 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=lp.dtype)
+    adv = group_advantages(rewards, G)
+    batch = Batch(ro.input_ids, ro.attention_mask, ro.response_mask, adv, None, ref * ro.response_mask,
+                  ro.prompt_len)
+    recorded = Batch(ro.input_ids, ro.attention_mask, ro.response_mask, adv, old * ro.response_mask,
+                     ref * ro.response_mask, ro.prompt_len)
+    return policy, batch, recorded
 
 
 def _grad(policy, g, batch):
@@ -46,13 +52,19 @@ def _grad(policy, g, batch):
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("importance", ["token", "sequence"])
-def test_micro_batches_give_the_one_batch_gradient(setup, loss_agg, importance):
-    policy, batch = setup
-    base = GRPOConfig(group_size=G, kl_coef=0.04, loss_agg=loss_agg, importance=importance)
+@pytest.mark.parametrize("old", ["policy", "recorded"])
+def test_micro_batches_give_the_one_batch_gradient(setup, loss_agg, importance, old):
+    policy, plain, recorded = setup
+    batch = recorded if old == "recorded" else plain
+    clip = 0.02 if importance == "sequence" else 0.2  # a sequence's ratio averages its tokens' noise
+    base = GRPOConfig(group_size=G, kl_coef=0.04, clip=clip, loss_agg=loss_agg, importance=importance)
     loss0, stats0, want = _grad(policy, base, batch)
     assert sum(float(w.abs().sum()) for w in want) > 0
+    if old == "recorded":  # the ratios are away from 1: the clip binds on some tokens
+        assert float(stats0["clipfrac"]) > 0.1
     for size in (2, 5, 8):  # divides G, neither, a multiple of G
-        g = GRPOConfig(group_size=G, kl_coef=0.04, loss_agg=loss_agg, importance=importance, micro_batch_size=size)
+        g = GRPOConfig(group_size=G, kl_coef=0.04, clip=clip, loss_agg=loss_agg, importance=importance,
+                       micro_batch_size=size)
         loss, stats, got = _grad(policy, g, batch)
         torch.testing.assert_close(loss, loss0, atol=1e-10, rtol=0)
         for a, b in zip(got, want):
@@ -73,7 +85,7 @@ def test_micro_batches_under_torch_compile_give_the_one_batch_gradient(setup):
     import copy
     import dataclasses
 
-    policy, batch = setup
+    policy, _, batch = setup
     g = GRPOConfig(group_size=G, kl_coef=0.04, micro_batch_size=4)
     _, _, want = _grad(policy, g, batch)
     compiled = copy.copy(policy)
@@ -101,7 +113,7 @@ def test_micro_batches_under_ddp_all_reduce_once_per_minibatch(setup):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    policy, batch = setup
+    policy, batch, _ = setup
     g1 = GRPOConfig(group_size=G, kl_coef=0.04)
     g3 = GRPOConfig(group_size=G, kl_coef=0.04, micro_batch_size=4)  # 12 rows: 3 micro-batches
     _, _, want = _grad(policy, g1, batch)
