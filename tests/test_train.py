@@ -95,21 +95,36 @@ def test_resume_state_from_other_params_is_ignored(workdir, monkeypatch, caplog)
 
 
 def test_minibatches_hold_whole_groups(workdir, monkeypatch):
+    """Each minibatch (one group here) gets exactly one group's advantages, and each epoch covers
+    every group once. The parity verifier gives a random policy rewards with variance, so the
+    groups' advantages differ and are not all 0."""
     from pipeline.stages import grpo
 
-    seen = []
-    real = grpo.grpo_loss
+    seen, computed = [], []
+    real_loss, real_adv = grpo.grpo_loss, grpo.group_advantages
 
     def spy(new, old, ref, adv, mask, **kw):
         seen.append(adv.detach().clone())
-        return real(new, old, ref, adv, mask, **kw)
+        return real_loss(new, old, ref, adv, mask, **kw)
+
+    def spy_adv(rewards, group_size, **kw):
+        computed.append(real_adv(rewards, group_size, **kw))
+        return computed[-1]
 
     monkeypatch.setattr(grpo, "grpo_loss", spy)
+    monkeypatch.setattr(grpo, "group_advantages", spy_adv)
     cfg = smoke_cfg("warmup.iterations=1", "warmup.prompts_per_iter=4", "warmup.minibatch_groups=1",
                     "warmup.grpo_epochs=2")
-    run_warmup(cfg)
+    run_warmup(cfg, verifier=_parity_reward)
     G = cfg.warmup.group_size
+    assert len(computed) == 1 and computed[0].numel() == 4 * G
+    chunks = [computed[0][g * G:(g + 1) * G] for g in range(4)]
+    assert any(c.abs().sum() > 0 for c in chunks)
     assert len(seen) == 2 * 4  # epochs x minibatches
+    for epoch in range(2):
+        got = seen[epoch * 4:(epoch + 1) * 4]
+        # each minibatch is one group's advantages, and the epoch uses every group exactly once
+        assert sorted(tuple(a.tolist()) for a in got) == sorted(tuple(c.tolist()) for c in chunks)
     for adv in seen:
         assert adv.numel() == G
         assert abs(adv.sum().item()) < 1e-4  # a whole group's centred advantages sum to zero
