@@ -5,6 +5,11 @@ by ``dvc repro`` or by a Prefect task cannot run beside another stage in the sam
 second one stops before touching anything, with one line naming the running one (exit 2). A lock
 left by a killed process (its pid is gone) is stale and is cleared by the next run.
 
+The lock appears whole: its content is written to a temporary file first and hard-linked into
+place (an exclusive create), so a full disk or a kill while it is written leaves no lock at all.
+Where hard links fail (some network and FUSE file systems) it is created empty and then written;
+an empty lock older than ``EMPTY_STALE_S`` is then taken for one whose writer died.
+
 A process that holds the lock exports its token (``GRPO_LOCK_TOKEN``) while it holds it, so its own
 children (torchrun ranks, ``dvc repro`` under a flow that holds the lock) pass through.
 """
@@ -25,6 +30,7 @@ from pipeline.errors import InputError
 
 LOCK_FILE = ".pipeline.lock"
 TOKEN_ENV = "GRPO_LOCK_TOKEN"
+EMPTY_STALE_S = 60.0
 
 
 class WorkspaceBusyError(InputError):
@@ -52,14 +58,22 @@ def read_holder(root: str | Path = ".") -> dict[str, Any] | None:
         return {}
 
 
-def is_stale(holder: dict[str, Any]) -> bool:
-    """A lock whose holder is gone: its pid is dead on this host (another host's lock is never stale)."""
+def is_stale(holder: dict[str, Any], root: str | Path | None = None) -> bool:
+    """A lock whose holder is gone: its pid is dead on this host (another host's lock is never stale),
+    or, given the workspace `root`, a lock still empty `EMPTY_STALE_S` after it was created."""
     if not holder.get("pid"):
-        return False  # being written right now
+        if root is None:
+            return False
+        try:  # being written right now, unless its writer died before writing
+            return time.time() - (Path(root) / LOCK_FILE).stat().st_mtime > EMPTY_STALE_S
+        except OSError:
+            return False
     return holder.get("host") == socket.gethostname() and not pid_alive(int(holder["pid"]))
 
 
 def describe(holder: dict[str, Any]) -> str:
+    if not holder.get("pid"):
+        return "a run that is taking the lock (it is not written yet)"
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
     return f"{holder.get('what', 'a run')} (pid {holder.get('pid')} on {holder.get('host')}, started {started})"
 
@@ -68,7 +82,7 @@ def check_free(root: str | Path = ".") -> None:
     """Raise :class:`WorkspaceBusyError` now if a live run holds the workspace (a cheap early check
     for callers with a slow start; the lock itself is still taken where the work happens)."""
     current = read_holder(root)
-    if current and not is_stale(current) and current.get("token") != os.environ.get(TOKEN_ENV):
+    if current and not is_stale(current, root) and current.get("token") != os.environ.get(TOKEN_ENV):
         raise _busy(root, current)
 
 
@@ -78,12 +92,31 @@ def _busy(root: str | Path, holder: dict[str, Any]) -> WorkspaceBusyError:
 
 
 def _try_create(path: Path, holder: dict[str, Any]) -> bool:
+    """Create the lock with its content in one step; False if it exists."""
+    tmp = path.with_name(f"{path.name}.{holder['token']}.tmp")
+    try:
+        tmp.write_text(json.dumps(holder))  # a full disk fails here, before any lock exists
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here: an exclusive create, then the content
+            pass
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(holder, f)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(holder, f)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        raise
     return True
 
 
@@ -104,7 +137,7 @@ def workspace_lock(what: str, root: str | Path = ".") -> Iterator[dict[str, Any]
         current = read_holder(root)
         if current is None:
             continue  # released in between: try again
-        if not is_stale(current):
+        if not is_stale(current, root):
             raise _busy(root, current)
         with contextlib.suppress(FileNotFoundError):  # a killed run's lock: clear it
             path.unlink()

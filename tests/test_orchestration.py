@@ -49,6 +49,40 @@ def test_lock_refuses_a_second_holder_and_clears_a_dead_ones(tmp_path):
     assert not (tmp_path / LOCK_FILE).exists()
 
 
+def test_a_lock_that_cannot_be_written_leaves_no_lock(tmp_path):
+    """A full disk while the lock is taken (here `ulimit -f 0`): the run fails, and no lock, not even
+    an empty one, is left behind to block the next run."""
+    import resource
+
+    from pipeline.lock import LOCK_FILE, workspace_lock
+
+    res = subprocess.run([sys.executable, "-c", "from pipeline.lock import workspace_lock\n"
+                          "with workspace_lock('stage sft'):\n    pass"], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True, check=False, timeout=60,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    assert res.returncode != 0 and "File too large" in res.stderr, res.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the lock nor its temporary file
+    with workspace_lock("stage sft", tmp_path):
+        assert (tmp_path / LOCK_FILE).read_text()
+
+
+def test_an_empty_lock_is_busy_while_fresh_and_stale_once_old(tmp_path):
+    """An empty lock (a writer on a file system without hard links, killed before writing) blocks a
+    run for EMPTY_STALE_S, with a message that says so, then is cleared."""
+    from pipeline.lock import EMPTY_STALE_S, LOCK_FILE, WorkspaceBusyError, workspace_lock
+
+    lock = tmp_path / LOCK_FILE
+    lock.touch()
+    with pytest.raises(WorkspaceBusyError, match="taking the lock"):
+        with workspace_lock("stage grpo", tmp_path):
+            pass
+    old = time.time() - EMPTY_STALE_S - 5
+    os.utime(lock, (old, old))
+    with workspace_lock("stage grpo", tmp_path) as mine:
+        assert json.loads(lock.read_text())["token"] == mine["token"]
+    assert not lock.exists()
+
+
 def test_second_concurrent_stage_exits_2_with_one_line_naming_the_first(tmp_path):
     """A real stage holds the lock; the same stage started again in the folder stops before any work."""
     repo = copy_repo(tmp_path / "repo", git=False)
