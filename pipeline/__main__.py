@@ -64,6 +64,21 @@ def ranks_env(cfg, stage: str, nproc: int, cuda_devices: int) -> dict[str, str]:
     return {}
 
 
+def check_device(cfg, stage: str, cuda_devices: int) -> None:
+    """A stage in one process on `model.device = cuda[:N]`: that device must exist here, else one
+    InputError line naming the key (not torch's traceback from the first `.to()`)."""
+    from pipeline.errors import InputError
+
+    device = str(cfg.model.device)
+    if stage == "prepare" or not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    if index >= cuda_devices:
+        have = f"CUDA devices 0-{cuda_devices - 1}" if cuda_devices else "no CUDA device"
+        raise InputError(f"model.device = {device}: this machine has {have}; allowed here: auto, cpu"
+                         + (f" or cuda:0 to cuda:{cuda_devices - 1}" if cuda_devices else ""))
+
+
 def run_under_torchrun(cfg, stage: str, nproc: int) -> int:
     """Run `python -m pipeline STAGE` with this config in `nproc` processes (torchrun, DDP; rank 0
     writes the outputs and prints the result line); its exit status."""
@@ -137,6 +152,10 @@ def run_one(cfg, name: str) -> int:
         if code:
             print(f"error: {name}: torchrun with {nproc} processes failed (exit {code})", file=sys.stderr)
         return code
+    if "LOCAL_RANK" not in os.environ and str(cfg.model.device).startswith("cuda"):  # ranks: checked by
+        import torch  # their launcher
+
+        check_device(cfg, name, torch.cuda.device_count())
     result = stage_function(name)(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps({"stage": name, **(result or {})}, default=str))

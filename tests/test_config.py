@@ -85,6 +85,10 @@ def test_dump_round_trips():
     ("evaluate.jobs=-1", r"evaluate\.jobs = -1 is out of range; allowed: an integer >= 0 \(0 = auto\)"),
     ("model.backend=hf", r"model\.backend .*model\.init"),
     ("model.dropout=0.1", r"sft\.nproc = 2 is out of range; allowed: 1 while model\.dropout > 0"),
+    # `date +%s%N` as a seed: seed * 7919 would overflow torch's seed range at the first rollout
+    ("grpo.seed=1764892800123456789", r"grpo\.seed = 1764892800123456789 is out of range; allowed: an integer in "
+                                      r"\[-2\*\*50, 2\*\*50\)"),
+    ("warmup.seed=-1125899906842625", r"warmup\.seed = -1125899906842625 is out of range"),
 ])
 def test_bad_values_name_the_key(override, pattern):
     with pytest.raises(ConfigError, match=pattern) as info:
@@ -124,6 +128,32 @@ def test_cli_error_is_one_line_exit_2():
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
     assert "grpo.group_size" in res.stderr
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line_exit_2(tmp_path):
+    """`model.device = cuda:N` with no such device: one line naming the key before the stage starts
+    (was torch's traceback from the first `.to()`); cuda:63 is absent on any machine that runs this."""
+    from pipeline.__main__ import check_device
+    from pipeline.errors import InputError
+
+    res = _cli("warmup", "--params", str(ROOT / "configs" / "smoke.yaml"), "--set", "model.device=cuda:63",
+               cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("error: model.device = cuda:63: this machine has "), res.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+    def cfg(device):
+        return load_config(ROOT / "params.yaml", [f"model.device={device}"])
+
+    with pytest.raises(InputError, match=r"^model\.device = cuda: this machine has no CUDA device; allowed here: "
+                                         r"auto, cpu$"):
+        check_device(cfg("cuda"), "sft", 0)
+    with pytest.raises(InputError, match=r"has CUDA devices 0-1; allowed here: auto, cpu or cuda:0 to cuda:1$"):
+        check_device(cfg("cuda:2"), "grpo", 2)
+    check_device(cfg("cuda:1"), "grpo", 2)
+    check_device(cfg("cuda"), "prepare", 0)  # prepare builds no model
+    check_device(cfg("cpu"), "evaluate", 0)
 
 
 def test_cli_print_config_applies_overrides():
