@@ -138,6 +138,8 @@ def _control_rules(cfg: Config) -> list[tuple[str, bool, str]]:
 def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bool, str]]:
     return [
         (f"{name}.iterations", g.iterations >= 0, "an integer >= 0"),
+        # the sampling streams are seeded with seed * 7919 + epoch and seed * 1000 + rank
+        (f"{name}.seed", -2**50 <= g.seed < 2**50, "an integer in [-2**50, 2**50)"),
         (f"{name}.prompts_per_iter", g.prompts_per_iter >= 1, "an integer >= 1"),
         (f"{name}.group_size", g.group_size >= 2, "an integer >= 2 (a group needs peers)"),
         (f"{name}.grpo_epochs", g.grpo_epochs >= 1, "an integer >= 1"),
