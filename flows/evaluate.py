@@ -21,14 +21,19 @@ from flows.grpo_pipeline import effective_overrides, execute, local_api
 from pipeline.cli import add_config_args, exit_status
 
 
+def checkpoint_overrides(checkpoints: list[str] | None, overrides: list[str] | None) -> list[str]:
+    """The `--set` overrides with `evaluate.stages` set to the checkpoints (when any are given)."""
+    overrides = list(overrides or [])
+    if checkpoints:
+        overrides.append("evaluate.stages=[" + ",".join(checkpoints) + "]")
+    return overrides
+
+
 @flow(name="grpo-evaluate", log_prints=True)
 def evaluate_checkpoints(checkpoints: list[str] | None = None, params_path: str = "params.yaml",
                          overrides: list[str] | None = None) -> dict[str, Any]:
     """Evaluate the given checkpoints (default: grpo) and publish the table as an artifact."""
-    overrides = list(overrides or [])
-    if checkpoints:
-        overrides.append("evaluate.stages=[" + ",".join(checkpoints) + "]")
-    return execute(("evaluate",), params_path, overrides)
+    return execute(("evaluate",), params_path, checkpoint_overrides(checkpoints, overrides))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def run() -> int:
-        effective_overrides(args.params, args.overrides)
+        # a bad --checkpoint is one line before Prefect starts, like any other bad value
+        effective_overrides(args.params, checkpoint_overrides(args.checkpoints, args.overrides))
         with local_api():
             result = evaluate_checkpoints(args.checkpoints or None, args.params, args.overrides)
         print(json.dumps(result.get("metrics", [])))

@@ -94,6 +94,24 @@ def test_flow_rejects_bad_config_before_any_task(tmp_path, harness, monkeypatch)
     assert task_runs_of(state.state_details.flow_run_id) == []
 
 
+def test_evaluate_flow_rejects_a_bad_checkpoint_before_prefect_starts():
+    """`python -m flows.evaluate --checkpoint bogus`: one line naming evaluate.stages and the allowed
+    names, exit 2, and no Prefect server or flow run (it once started both, then logged a traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import QUIET_ENV
+
+    res = subprocess.run([sys.executable, "-m", "flows.evaluate", "--checkpoint", "bogus"], cwd=REPO,
+                         env={**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, check=False, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert len(lines) == 1 and "evaluate.stages" in lines[0] and "sft, control, warmup, grpo" in lines[0], lines
+    assert "Traceback" not in res.stderr and "prefect" not in res.stderr.lower()
+
+
 def test_the_flow_graph_is_dvcs_graph():
     """UPSTREAM names, for each stage, exactly the stages dvc.yaml makes it depend on (DVC's own graph of
     the repo), and a run waits only on its nearest ones: warmup and control on sft alone."""
