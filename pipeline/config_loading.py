@@ -326,10 +326,13 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def _params_text(path: Path) -> str:
     """The params file as text: refused if too large, not UTF-8 text, or holding NUL bytes."""
-    size = path.stat().st_size
-    if size > MAX_PARAMS_BYTES:
-        raise ConfigError(f"{path}: {size} bytes is too large for a params file (at most {MAX_PARAMS_BYTES})")
-    data = path.read_bytes()
+    try:
+        size = path.stat().st_size
+        if size > MAX_PARAMS_BYTES:
+            raise ConfigError(f"{path}: {size} bytes is too large for a params file (at most {MAX_PARAMS_BYTES})")
+        data = path.read_bytes()
+    except OSError as exc:  # unreadable (permissions, an I/O error): one line, not a traceback
+        raise ConfigError(f"{path}: cannot read the params file ({exc.strerror or exc})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -97,6 +97,19 @@ def test_bad_values_name_the_key(override, pattern):
     assert "params.yaml" in str(info.value)
 
 
+def test_an_unreadable_params_file_is_one_line(tmp_path, monkeypatch):
+    """`chmod 000 params.yaml` (root reads it anyway, so the refusal is raised by hand here)."""
+    p = tmp_path / "p.yaml"
+    p.write_text("grpo:\n  clip: 0.2\n")
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(ConfigError, match=r"p\.yaml: cannot read the params file \(Permission denied\)$"):
+        load_config(p)
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="nope.yaml: params file not found"):
         load_config(tmp_path / "nope.yaml")
