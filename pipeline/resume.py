@@ -4,7 +4,8 @@ The trainer's state is any dataclass of JSON values (counters, a metric series);
 knows nothing else about it. ``save_resume`` writes it with the weights, the optimizer state, the
 global RNGs and an optional sampling generator to ``folder/step_NNNNNN`` through
 :func:`pipeline.checkpoint_state.save_training_state` (safetensors + JSON, atomic, verified on load, no
-pickle) and keeps the newest ``keep_last``. ``load_resume`` restores the newest intact one.
+pickle) and keeps the newest ``keep_last`` saved under the same key. ``load_resume`` restores the
+newest intact one.
 
 Each state carries a compatibility key (:func:`resume_key`: the params and the bytes of the
 inputs it was made from). ``load_resume`` ignores a state with another key, so a state left by
@@ -53,7 +54,10 @@ def save_resume(folder: Path, step: int, key: str, state: Any, policy: Policy, o
         rng["sampling_by_rank"] = list(rank_generators)
     out = save_training_state(folder / f"step_{step:06d}", policy, optimizer, None, rng,
                               {"key": key, "state": dataclasses.asdict(state)})
-    for old in sorted(folder.glob("step_*"))[:-keep_last]:
+    # keep the newest `keep_last` states of this run's key; states saved under other params (a run
+    # changed after a crash) are not counted, so they cannot push this run's new states out
+    ours = [p for p in sorted(folder.glob("step_*")) if (_peek(p) or {}).get("key") == key]
+    for old in ours[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return out
 

@@ -103,6 +103,28 @@ def test_a_blown_up_resume_state_is_never_resumed(workdir):
         load_training_state(workdir / "r" / "step_000001", policy, opt)
 
 
+def test_states_of_other_params_do_not_push_out_a_new_runs_states(workdir):
+    """A run dies at iteration 157 (states 140 and 150 kept) and is re-run with other params (a lower
+    lr, as the divergence message advises): its key differs, so it starts over, and its own states
+    10, 20, 30 are kept by keep_last=2 (the old ones, newer by name, once made each new state be
+    deleted as soon as it was written, so a kill restarted from 0 again)."""
+    from pipeline.checkpoint import load_policy
+    from pipeline.resume import load_resume, save_resume
+    from pipeline.stages.grpo import TrainState
+
+    policy = load_policy(workdir / "checkpoints" / "warmup", device="cpu")
+    opt = build_optimizer(policy.module, 1e-3, 0.0)
+    folder = workdir / "r"
+    for it in (140, 150):
+        save_resume(folder, it, "old", TrainState(total_iters=200, iteration=it), policy, opt, None, keep_last=2)
+    for it in (10, 20, 30):
+        save_resume(folder, it, "new", TrainState(total_iters=200, iteration=it), policy, opt, None, keep_last=2)
+    assert sorted(p.name for p in folder.glob("step_*")) == ["step_000020", "step_000030", "step_000140",
+                                                              "step_000150"]
+    assert load_resume(folder, "new", TrainState, policy, opt, None).iteration == 30
+    assert load_resume(folder, "old", TrainState, policy, opt, None).iteration == 150
+
+
 @pytest.mark.parametrize("override,pattern", [
     ("model.n_embd=256", r"model.n_embd = 256 in the params, but checkpoints/warmup was written with model.n_embd = 32"),
     ("model.n_layer=3", r"model.n_layer = 3 in the params, but checkpoints/warmup was written with model.n_layer = 2"),
