@@ -165,4 +165,6 @@ def test_cli_refuses_a_foreign_checkpoint_cheaply(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "cannot tell the model's size" in res.stderr or "more than" in res.stderr
     assert after.ru_maxrss < 2_000_000  # KiB: the child never went above 2 GB
-    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 5.0  # CPU seconds
+    # CPU seconds: building the 7B model takes minutes; importing torch and the stage takes 3-6 s on a
+    # slow shared 2-core machine (5.0 failed there with nothing built), hence 20
+    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 20.0
