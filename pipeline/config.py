@@ -202,7 +202,8 @@ class GRPOConfig:
     grpo_epochs: int = 1
     """Passes over the rollout batch per iteration."""
     minibatch_groups: int = 0
-    """Whole groups per minibatch; 0 = the whole batch in one step."""
+    """Whole groups per minibatch (one optimizer step), over all processes; 0 = the whole batch in
+    one step."""
     micro_batch_size: int = 0
     """Rows per forward/backward, gradients accumulated up to the minibatch (the same update as one pass),
     and per old/reference log-prob pass; 0 = the whole minibatch. Bounds the memory of those passes."""

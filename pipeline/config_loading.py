@@ -165,6 +165,10 @@ def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bo
         (f"{name}.save_every", g.save_every >= 1, "an integer >= 1"),
         (f"{name}.keep_last", g.keep_last >= 1, "an integer >= 1"),
         (f"{name}.nproc", g.nproc >= 1, "an integer >= 1"),
+        (f"{name}.prompts_per_iter", g.prompts_per_iter % max(g.nproc, 1) == 0,
+         f"a multiple of {name}.nproc (prompts are sharded by process)"),
+        (f"{name}.minibatch_groups", g.minibatch_groups % max(g.nproc, 1) == 0,
+         f"a multiple of {name}.nproc (each process takes an equal share of a minibatch's groups)"),
         (f"{name}.micro_batch_size", g.micro_batch_size >= 0, "an integer >= 0 (0 = the whole minibatch)"),
         (f"{name}.reward", is_reward_spec(g.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
     ]

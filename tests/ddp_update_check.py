@@ -1,8 +1,10 @@
 """Helper for tests/test_train.py: one GRPO update on a fixed batch, single process or under torchrun.
 
-Usage: python tests/ddp_update_check.py OUT.safetensors           (1 process, whole batch)
-       torchrun --nproc_per_node=2 tests/ddp_update_check.py OUT    (each rank: half the groups)
-Writes the updated weights and the reduced stats (OUT with .json) from rank 0.
+Usage: python tests/ddp_update_check.py OUT.safetensors [MINIBATCH_GROUPS]         (1 process)
+       torchrun --nproc_per_node=2 tests/ddp_update_check.py OUT [MINIBATCH_GROUPS]  (each rank: half the groups)
+Writes the updated weights and the reduced stats (OUT with .json) from rank 0. The groups are dealt
+to the ranks in turn (rank r: groups r, r + world, ...), so that with minibatches each optimizer
+step covers the same groups in both runs.
 """
 
 import json
@@ -20,7 +22,7 @@ from pipeline.tokenizer import train_tokenizer
 from pipeline.training import build_optimizer
 
 
-def main(out: str) -> None:
+def main(out: str, minibatch_groups: int = 0) -> None:
     rank, world = du.rank(), du.world_size()
     tok = train_tokenizer([f"{a} + {b} = <answer>{a + b}</answer>" for a in range(30) for b in range(10)], 300)
     torch.manual_seed(0)
@@ -38,11 +40,10 @@ def main(out: str) -> None:
     adv = torch.randn(N, generator=g)
     ref_lp = -2.0 + 0.1 * torch.randn(N, T, generator=g)
 
-    g = GRPOConfig(group_size=2, prompts_per_iter=4, lr=1e-2, kl_coef=0.04)
+    g = GRPOConfig(group_size=2, prompts_per_iter=4, lr=1e-2, kl_coef=0.04, minibatch_groups=minibatch_groups)
     optimizer = build_optimizer(policy.module, g.lr, 0.0)
-    per = N // world
-    sl = slice(rank * per, (rank + 1) * per)
-    batch = Batch(ids[sl], attn[sl], resp[sl], adv[sl], None, ref_lp[sl])
+    rows = torch.arange(N).view(-1, g.group_size)[rank::world].reshape(-1)  # this rank's groups, in turn
+    batch = Batch(ids[rows], attn[rows], resp[rows], adv[rows], None, ref_lp[rows])
     stats = update(policy, optimizer, g, batch, TrainState(total_iters=1), "ddp-check")
     stats = du.mean_across_ranks(stats)
     if rank == 0:
@@ -52,4 +53,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)

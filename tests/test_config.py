@@ -89,6 +89,9 @@ def test_dump_round_trips():
     ("grpo.seed=1764892800123456789", r"grpo\.seed = 1764892800123456789 is out of range; allowed: an integer in "
                                       r"\[-2\*\*50, 2\*\*50\)"),
     ("warmup.seed=-1125899906842625", r"warmup\.seed = -1125899906842625 is out of range"),
+    ("grpo.nproc=3", r"grpo\.prompts_per_iter = 8 is out of range; allowed: a multiple of grpo\.nproc"),
+    ("warmup.nproc=8", r"warmup\.minibatch_groups = 4 is out of range; allowed: a multiple of warmup\.nproc "
+                       r"\(each process takes an equal share of a minibatch's groups\)"),
 ])
 def test_bad_values_name_the_key(override, pattern):
     with pytest.raises(ConfigError, match=pattern) as info:

@@ -247,17 +247,21 @@ def _series(path: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_update_under_ddp_equals_single_process(tmp_path):
-    """2-process gloo DDP on two halves of a batch == 1 process on the whole batch (same update)."""
+@pytest.mark.parametrize("minibatch_groups", [0, 2])
+def test_update_under_ddp_equals_single_process(tmp_path, minibatch_groups):
+    """2-process gloo DDP on two halves of a batch == 1 process on the whole batch (same update);
+    with minibatch_groups 2 of 4 groups, both take two optimizer steps of two groups each (it once
+    meant 2 groups per rank: one step over all 4 under DDP)."""
     script = ROOT / "tests" / "ddp_update_check.py"
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, str(script), str(out / "single.safetensors")], env=env,
+    mb = str(minibatch_groups)
+    single = subprocess.run([sys.executable, str(script), str(out / "single.safetensors"), mb], env=env,
                             capture_output=True, text=True, check=False, timeout=300)
     assert single.returncode == 0, single.stderr
     ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), str(out / "ddp.safetensors")], env=env, capture_output=True, text=True,
+                          str(script), str(out / "ddp.safetensors"), mb], env=env, capture_output=True, text=True,
                          check=False, timeout=300)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     a, b = load_file(str(out / "single.safetensors")), load_file(str(out / "ddp.safetensors"))

@@ -217,6 +217,9 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     if conf.prompts_per_iter % world:
         raise InputError(f"{stage}.prompts_per_iter = {conf.prompts_per_iter} must be divisible by "
                          f"{stage}.nproc = {world} (prompts are sharded by rank)")
+    if conf.minibatch_groups % world:
+        raise InputError(f"{stage}.minibatch_groups = {conf.minibatch_groups} must be divisible by "
+                         f"{stage}.nproc = {world} (each process takes an equal share of a minibatch)")
     for p in (paths.init, paths.reference):
         if not (p / "config.json").is_file():
             raise InputError(f"{p}: checkpoint not found (run the stage that writes it first)")
@@ -302,7 +305,7 @@ def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, st
     distribution as a recomputed pass, to fp32 rounding) where :func:`reuses_sampled_logprobs` says
     they are that, else one more forward pass of the policy under no grad."""
     conf = run.conf
-    single_step = conf.grpo_epochs == 1 and conf.minibatch_groups in (0, conf.prompts_per_iter // run.world)
+    single_step = conf.grpo_epochs == 1 and conf.minibatch_groups in (0, conf.prompts_per_iter)
     group = math.gcd(conf.micro_batch_size, conf.group_size) if conf.micro_batch_size else conf.group_size
     parts = micro_batches(slice(0, ids.shape[0]), conf.micro_batch_size)
 
@@ -368,9 +371,13 @@ def update(policy: Policy, optimizer: torch.optim.Optimizer, conf: GRPOConfig, b
            stage: str) -> dict[str, float]:
     """`grpo_epochs` passes over minibatches of whole groups (each in micro-batches, one optimizer
     step per minibatch); non-finite steps are skipped and counted (pipeline.training). Returns the
-    mean of each loss statistic over the steps taken."""
+    mean of each loss statistic over the steps taken.
+
+    `minibatch_groups` counts groups over all processes: under DDP each of the `world` processes
+    puts `minibatch_groups / world` of its own groups into each step, so every process count takes
+    the same number of optimizer steps, each over `minibatch_groups` groups."""
     G, n = conf.group_size, batch.input_ids.shape[0]
-    mb = (conf.minibatch_groups or n // G) * G
+    mb = (conf.minibatch_groups // dist_utils.world_size() or n // G) * G
     acc: dict[str, list[torch.Tensor]] = {}
     for _ in range(conf.grpo_epochs):
         for s in range(0, n, mb):
