@@ -64,6 +64,16 @@ def text_lines(path: str | Path, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tu
                                  f"{exc.start + 1}); convert the file first, e.g. iconv -f latin1 -t utf-8") from None
 
 
+def json_problem(exc: Exception) -> str:
+    """What `json.loads` refused, in a few words: the decoder's message, the first clause of another
+    ValueError's (Python refuses integers of over 4,300 digits), or the nesting."""
+    if isinstance(exc, json.JSONDecodeError):
+        return exc.msg
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).split(";")[0].split(":")[0]
+
+
 def read_rows(path: str | Path, limit: int = 0) -> list[dict[str, Any]]:
     """The first `limit` rows (0 = all) of a prepared JSONL file, in file order; blank lines skipped.
 
@@ -82,8 +92,8 @@ def read_rows(path: str | Path, limit: int = 0) -> list[dict[str, Any]]:
             continue
         try:
             row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise InputError(f"{path}:{lineno}: invalid JSON ({getattr(exc, 'msg', exc)}); "
+        except (ValueError, RecursionError) as exc:  # ValueError: also an integer of over 4,300 digits
+            raise InputError(f"{path}:{lineno}: invalid JSON ({json_problem(exc)}); "
                              "re-run the 'prepare' stage") from None
         rows.append(check_prepared_row(row, f"{path}:{lineno}"))
         if limit and len(rows) >= limit:

@@ -40,11 +40,17 @@ def test_an_hf_checkpoint_is_verified_too(any_policy, tmp_path):
     ({**LLAMA_7B, "vocab_size": "many"}, r"vocab_size = 'many' is not a positive integer"),
     ({"model_type": "mixtral", "hidden_size": 1024, "num_hidden_layers": 24, "vocab_size": 32000,
       "intermediate_size": 14336, "num_local_experts": 8}, r"more than"),
+    # json refuses an integer of over 4,300 digits with a plain ValueError (once a traceback)
+    ('{"hidden_size": ' + "9" * 5000 + "}", r"config\.json: not valid JSON \(Exceeds the limit"),
+    (b'{"model_type": "\xff"}', r"config\.json: not valid JSON \('utf-8' codec can't decode"),
 ])
 def test_a_plain_hf_folder_is_sized_before_it_is_built(tmp_path, config, pattern):
     folder = tmp_path / "foreign"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
+    if isinstance(config, bytes):
+        (folder / "config.json").write_bytes(config)
+    else:
+        (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     with pytest.raises(CheckpointError, match=pattern) as info:
         load_policy(folder, device="cpu")
     assert "\n" not in str(info.value)

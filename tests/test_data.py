@@ -152,11 +152,12 @@ def test_unreachable_hub_fails_fast_with_a_hint(monkeypatch):
 def test_malformed_rows_are_located_and_the_fraction_rule_applies(tmp_path):
     lines = [GOOD[0], {"question": "q", "answer": "no marker"}, GOOD[1],
              {"question": "q", "answer": "#### seven"}, {"question": "  ", "answer": "#### 3"},
-             '{"question": "broken", ', GOOD[2], {"answer": "#### 4"}, "", GOOD[3], "[1, 2]"]
+             '{"question": "broken", ', GOOD[2], {"answer": "#### 4"}, "", GOOD[3], "[1, 2]",
+             '{"question": "q", "answer": "#### 1", "n": ' + "1" * 5000 + "}"]
     path = write_jsonl(tmp_path / "train.jsonl", lines)
     raws = gs.read_jsonl(path)
-    assert len(raws) == 10  # the blank line is not a row
-    rows, bad = gs.validate_split(raws, "train", TEMPLATE, 0.6, str(path))
+    assert len(raws) == 11  # the blank line is not a row
+    rows, bad = gs.validate_split(raws, "train", TEMPLATE, 0.7, str(path))
     assert len(rows) == 4
     assert [(b.location, b.reason.split(" (")[0]) for b in bad] == [
         (f"{path}:2", "answer has no '#### N' final line"),
@@ -165,8 +166,9 @@ def test_malformed_rows_are_located_and_the_fraction_rule_applies(tmp_path):
         (f"{path}:6", "invalid JSON"),
         (f"{path}:8", "missing or empty 'question'"),
         (f"{path}:11", "expected a JSON object, got list"),
+        (f"{path}:12", "invalid JSON"),  # an integer of 5,000 digits: json's plain ValueError
     ]
-    with pytest.raises(InputError, match=rf"6 of 10 train rows are malformed .* first: {path}:2: answer has no"):
+    with pytest.raises(InputError, match=rf"7 of 11 train rows are malformed .* first: {path}:2: answer has no"):
         gs.validate_split(raws, "train", TEMPLATE, 0.5, str(path))
     with pytest.raises(InputError, match="no rows"):
         gs.validate_split([], "test", TEMPLATE, 0.5, str(path))

@@ -143,6 +143,24 @@ def test_prepared_rows_are_checked_by_every_reader(tmp_path, change, pattern):
         assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("line,problem", [
+    ('{"gold": ' + "7" * 5000 + "}", r"Exceeds the limit \(4300 digits\) for integer string conversion"),
+    ("[" * 5000 + "]" * 5000, "nested too deeply"),
+    ('{"gold": 1', "Expecting ',' delimiter"),
+])
+def test_a_prepared_line_json_refuses_is_one_line_for_every_reader(tmp_path, line, problem):
+    """Python's json refuses integers of over 4,300 digits with a plain ValueError (not a
+    JSONDecodeError), which once escaped as a traceback."""
+    from pipeline.stages.evaluate import load_rows
+
+    path = tmp_path / "gsm8k_test.jsonl"
+    path.write_text(json.dumps(ROW) + "\n" + line + "\n")
+    for reader in (read_rows, load_rows):
+        with pytest.raises(InputError, match=rf"gsm8k_test.jsonl:2: invalid JSON \({problem}[^;]*\); re-run") as info:
+            reader(path)
+        assert "\n" not in str(info.value)
+
+
 def test_cli_on_a_prepared_row_with_a_string_gold_is_one_line_exit_2(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

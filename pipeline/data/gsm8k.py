@@ -41,7 +41,7 @@ from urllib.parse import urlparse
 
 from pipeline.data.prompts import format_answer, format_prompt
 from pipeline.errors import InputError
-from pipeline.files import text_lines
+from pipeline.files import json_problem, text_lines
 
 SPLITS = ("train", "test")
 _NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
@@ -161,10 +161,8 @@ def read_jsonl(path: Path) -> list[RawRow]:
         loc = f"{path}:{lineno}"
         try:
             rows.append(RawRow(len(rows), loc, json.loads(line)))
-        except json.JSONDecodeError as exc:
-            rows.append(RawRow(len(rows), loc, None, f"invalid JSON ({exc.msg})"))
-        except RecursionError:
-            rows.append(RawRow(len(rows), loc, None, "invalid JSON (nested too deeply)"))
+        except (ValueError, RecursionError) as exc:  # ValueError: also an integer of over 4,300 digits
+            rows.append(RawRow(len(rows), loc, None, f"invalid JSON ({json_problem(exc)})"))
     return rows
 
 
