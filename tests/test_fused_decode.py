@@ -30,6 +30,10 @@ def test_fused_step_equals_the_module_step(kind, hf_dirs, monkeypatch):
     float rounding. The tiny Llama has 4 query heads over 2 key/value heads; Qwen2 has q/k/v biases."""
     policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
     assert fused_decode.supported(policy.module) and HFDecoder(policy.module, 16).use_fused
+    dec = HFDecoder(policy.module, 16)
+    ids = torch.tensor([[5, 6, 7]])
+    dec.prefill(ids, torch.ones_like(ids), torch.arange(3)[None], 2)
+    assert dec.fused._whole_cache_bias(12) is None  # fp32: always the slice (the default run's arithmetic)
     for kw in ({"greedy": True}, {"seed": 5}, {"seed": 6, "temperature": 0.7}):
         fast, plain = _rollouts(policy, monkeypatch, **kw)
         assert torch.equal(fast.input_ids, plain.input_ids)
@@ -49,6 +53,47 @@ def test_fused_step_logits_under_bf16_autocast(hf_dirs):
             fast, plain = (d.step(tokens, p) for d in decs)
             torch.testing.assert_close(fast, plain, atol=0.05 * float(plain.abs().max()), rtol=0)
             tokens, p = plain.argmax(-1), p + 1
+    # the bf16 cache on CPU: the slice of the written positions for the first third of the 10
+    # response positions, the whole cache with a length bias after (the last two steps above)
+    fused = decs[0].inner.fused
+    assert fused.cache.k[0].dtype == torch.bfloat16 and fused.cache.k[0].shape[2] == 10
+    assert [fused._whole_cache_bias(t) is None for t in (0, 2, 3, 9)] == [True, True, False, False]
+    assert torch.equal(fused._whole_cache_bias(3), torch.tensor([0.0] * 4 + [float("-inf")] * 6).bfloat16())
+
+
+def test_linear_casts_its_weight_once_under_autocast():
+    """Under bf16 autocast the step's linear layer gives autocast's own result (weight, bias and
+    input cast to bf16) but casts the weight and bias on its first call only, and packs nothing for
+    MKL's fp32 GEMM; without autocast it packs on its first call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    w, b, x = torch.randn(6, 4), torch.randn(6), torch.randn(3, 4)
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    lin = fused_decode._Linear(w, b, rows=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.linear(x, w, b)
+        with Casts() as first:
+            got = lin(x)
+        with Casts() as later:
+            again = lin(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want) and torch.equal(again, want)
+    assert (6, 4) in first.shapes and (6,) in first.shapes
+    assert later.shapes == [(3, 4)]  # only the input
+    assert lin.packed is None
+    plain = lin(x)
+    torch.testing.assert_close(plain, torch.nn.functional.linear(x, w, b), atol=1e-6, rtol=0)
+    assert lin.packed is not None or not lin.packable
 
 
 def test_plain_switch_and_wrapped_layers_take_the_module_path(hf_dirs):

@@ -170,6 +170,28 @@ def test_grouped_prefix_attention_equals_per_row_attention():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_grouped_prefix_attention_over_a_whole_cache_with_a_length_bias():
+    """`key_bias`: the row keys are a whole preallocated cache of M positions, those past the
+    written t masked by a shared additive bias. The same attention as over the slice of the t
+    written positions, whatever the unwritten ones hold (here large values, not zeros)."""
+    torch.manual_seed(1)
+    B, G, Hkv, r, Tp, t, M, D = 2, 3, 2, 2, 4, 3, 7, 8
+    N = B * G
+    q = torch.randn(N, Hkv * r, 1, D)
+    kp, vp = torch.randn(B, Hkv, Tp, D), torch.randn(B, Hkv, Tp, D)
+    k, v = torch.randn(N, Hkv, M, D) * 50, torch.randn(N, Hkv, M, D) * 50
+    bias = torch.zeros(B, Hkv, 1, Tp)
+    bias[1, :, :, 0] = float("-inf")
+    key_bias = torch.zeros(M).masked_fill(torch.arange(M) >= t, float("-inf"))
+    whole = grouped_prefix_attention(q, kp.transpose(-1, -2).contiguous(), vp, k, v, bias, key_bias=key_bias)
+    sliced = grouped_prefix_attention(q, kp.transpose(-1, -2).contiguous(), vp, k[:, :, :t], v[:, :, :t], bias)
+    torch.testing.assert_close(whole, sliced, atol=1e-5, rtol=0)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, t:], v2[:, :, t:] = -k2[:, :, t:], 3 * v2[:, :, t:]  # the masked positions never count
+    again = grouped_prefix_attention(q, kp.transpose(-1, -2).contiguous(), vp, k2, v2, bias, key_bias=key_bias)
+    assert torch.equal(again, whole)
+
+
 def test_policy_interface(gpt_policy):
     p = gpt_policy
     assert p.device == torch.device("cpu") and p.autocast_dtype is None

@@ -17,7 +17,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ((mask.cumsum(-1) - 1) * mask).clamp(min=0)
 
 
-def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scale=None) -> torch.Tensor:
+def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scale=None, key_bias=None) -> torch.Tensor:
     """One decode step of N = B*G rows whose G consecutive rows continue the same prompt: attention
     over the B prompts' keys, stored and read once per group (one (G, Tp) matmul per prompt, not G
     (1, Tp) ones), plus each row's own keys, one softmax over both. Both decoders use it: the GPT's
@@ -29,7 +29,10 @@ def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scal
     (grouped-query attention: key head i serves query heads i*r .. i*r+r-1); prefix_bias: additive
     (0 or -inf) bias of the prompt keys in q's dtype, (B, Hkv, 1, Tp) (made once per rollout; a
     (B, 1, 1, Tp) bias also works, at the cost of a copy per call); key_mask: (N, t) bool, True =
-    attend, or None when every row key is real (a decode cache). Returns (N, H, 1, D).
+    attend, or None when every row key is real (a decode cache); key_bias: (t,) additive bias (0 or
+    -inf) of the row keys shared by every row, which lets `k` and `v` be a whole preallocated cache
+    (contiguous, unlike a slice of its written positions) with the unwritten positions masked: one
+    batched matmul with the scale and the bias fused in. Returns (N, H, 1, D).
     """
     N, H, T, D = q.shape
     if T != 1:
@@ -42,7 +45,11 @@ def grouped_prefix_attention(q, kp_t, vp, k, v, prefix_bias, key_mask=None, scal
     bias = prefix_bias.expand(B, Hkv, 1, Tp).reshape(B * Hkv, 1, Tp)
     sp = torch.baddbmm(bias, qg, kp_t.reshape(B * Hkv, D, Tp), alpha=scale)  # (B*Hkv, G*r, Tp)
     sp = sp.view(B, Hkv, G, r, Tp).transpose(1, 2).reshape(N, Hkv, r, Tp)
-    sr = (q @ k.transpose(-1, -2)) * scale  # (N, Hkv, r, t)
+    if key_bias is None:
+        sr = (q @ k.transpose(-1, -2)) * scale  # (N, Hkv, r, t)
+    else:
+        sr = torch.baddbmm(key_bias.expand(N * Hkv, r, t), q.reshape(N * Hkv, r, D),
+                           k.reshape(N * Hkv, t, D).transpose(1, 2), alpha=scale).view(N, Hkv, r, t)
     if key_mask is not None:
         sr = sr.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     att = torch.cat([sp, sr], dim=-1)  # (N, Hkv, r, Tp + t)

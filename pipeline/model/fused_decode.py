@@ -60,18 +60,34 @@ def supported(model: nn.Module) -> bool:
 
 class _Linear:
     """``x @ weight.T + bias`` on the weight packed for MKL (CPU fp32: :class:`~pipeline.model.packed.PackedWeight`,
-    packed again when finished rows leave the batch), else ``F.linear``."""
+    packed again when finished rows leave the batch), else ``F.linear``.
+
+    Under autocast (``model.dtype: bfloat16``) the weight and bias are cast to the autocast dtype
+    once, on the first such call, and kept for the rollout: autocast casts them on every call
+    otherwise (these are detached tensors, outside its cast cache), which for the LM head and the
+    MLP weights cost as much as the bf16 matmuls themselves. The same values as autocast's own
+    casts, so the same result."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
         self.weight, self.bias = weight.detach().contiguous(), None if bias is None else bias.detach()
-        self.packed = None
-        if weight.dtype == torch.float32 and weight.device.type == "cpu" and packed.available():
-            self.packed = packed.PackedWeight(self.weight, self.bias, rows)
+        self.rows, self.packed = rows, None  # packed on the first fp32 call (none under autocast)
+        self.packable = weight.dtype == torch.float32 and weight.device.type == "cpu" and packed.available()
+        self.cast: tuple[torch.dtype, torch.Tensor, torch.Tensor | None] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"):
-            return self.packed(x)
-        return F.linear(x, self.weight, self.bias)
+        device = x.device.type
+        if not torch.is_autocast_enabled(device):
+            if self.packable and x.dtype == torch.float32:
+                if self.packed is None:
+                    self.packed = packed.PackedWeight(self.weight, self.bias, self.rows)
+                return self.packed(x)
+            return F.linear(x, self.weight, self.bias)
+        dtype = torch.get_autocast_dtype(device)
+        if self.weight.dtype == dtype or not self.weight.is_floating_point():
+            return F.linear(x, self.weight, self.bias)
+        if self.cast is None or self.cast[0] != dtype:
+            self.cast = (dtype, self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype))
+        return F.linear(x.to(dtype) if x.is_floating_point() else x, self.cast[1], self.cast[2])
 
 
 def _fused(modules: list[nn.Linear], rows: int) -> _Linear:
@@ -146,6 +162,22 @@ class FusedLlamaStep:
         response cache object is the same, its tensors already cut)."""
         self.prefix, self.prefix_bias = prefix, prefix_bias
 
+    def _whole_cache_bias(self, t: int) -> torch.Tensor | None:
+        """The response attention over the whole preallocated cache, position > `t` masked by this
+        (max_new,) additive bias, or None: over the slice of the positions written so far.
+
+        Only for a reduced-precision cache on CPU, once past a third of it: there oneDNN's batched
+        matmuls copy a strided operand (the slice) before multiplying, so a step over the slice
+        costs more as the response grows, while the whole cache is contiguous and costs the same
+        at every step (``bench/rollout.py --bf16``; 1.4x on the step's attention at 64 new
+        tokens). The masked positions get exactly zero weight. fp32 keeps the slice: there MKL
+        reads it in place, and the default run's numbers stay the same."""
+        k = self.cache.k[0]
+        M = k.shape[2]
+        if k.dtype == torch.float32 or k.device.type != "cpu" or 3 * (t + 1) <= M:
+            return None
+        return torch.zeros(M, dtype=k.dtype).masked_fill_(torch.arange(M) > t, float("-inf"))
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (N, h, D): ``x * cos + rotate_half(x) * sin`` with rotate_half as a flip of the halves."""
         N, h, D = x.shape
@@ -161,6 +193,7 @@ class FusedLlamaStep:
         rope = None if self.cos is None else (self.cos[positions][:, None], self.sin[positions][:, None])  # (N, 1, D)
         if self.key_mask is not None:
             self.key_mask[:, t] = True
+        key_bias = self._whole_cache_bias(t)
         for i, L in enumerate(self.layers):
             qkv = L.qkv(_rms(x, L.ln_1)).view(N, H + 2 * Hkv, D)  # (N, H + 2 Hkv, D)
             qk = qkv[:, : H + Hkv] if rope is None else self._rope(qkv[:, : H + Hkv], *rope)  # q, k together
@@ -168,8 +201,10 @@ class FusedLlamaStep:
             k_all[:, :, t] = qk[:, H:]
             v_all[:, :, t] = qkv[:, H + Hkv:]
             kp_t, vp = self.prefix[i]
-            y = grouped_prefix_attention(qk[:, :H, None], kp_t, vp, k_all[:, :, : t + 1], v_all[:, :, : t + 1],
-                                         self.prefix_bias, scale=L.scale)  # (N, H, 1, D)
+            if key_bias is None:  # the positions written so far
+                k_all, v_all = k_all[:, :, : t + 1], v_all[:, :, : t + 1]
+            y = grouped_prefix_attention(qk[:, :H, None], kp_t, vp, k_all, v_all, self.prefix_bias, scale=L.scale,
+                                         key_bias=key_bias)  # (N, H, 1, D)
             x = x + L.o(y.reshape(N, H * D))
             gate, up = L.gate_up(_rms(x, L.ln_2)).split(L.hidden, dim=-1)  # (N, 4C) each
             x = x + L.down(L.act(gate) * up)
