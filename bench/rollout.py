@@ -18,8 +18,9 @@ bf16 kernels: see the ``kernels`` of the first line).
 ``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms.
 
 Also the ops dispatched per decode step of each engine (``ops_per_decode_step``: a rollout of 16
-new tokens minus one of 8, over 8; load-independent), and our engine with the KV cache vs
-recomputing the whole prefix every step.
+new tokens minus one of 8, over 8; load-independent), where our fused step's time goes
+(``step_breakdown``: weight matmuls, attention, the rest; fp32, and bf16 with ``--bf16``), and our
+engine with the KV cache vs recomputing the whole prefix every step.
 
     .venv/bin/python bench/rollout.py [--repeats 5] [--bf16] [--levers] [--layers 4] [--width 256]
 
@@ -34,6 +35,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -138,6 +140,56 @@ def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tok
     return run
 
 
+def step_breakdown(policy: Policy, run) -> dict[str, float]:
+    """Where a decode step of the fused step goes, from one call of `run` (a rollout of `policy`):
+    seconds per step in the weight matmuls (every ``fused_decode._Linear`` call), in the attention
+    (every ``grouped_prefix_attention`` call), and the rest of the step (norms, rotary, embedding,
+    cache writes; not the sampling between steps). Timers around each call: a few microseconds each."""
+    import pipeline.model.fused_decode as fused_decode
+
+    acc = {"linears": 0.0, "attention": 0.0, "step": 0.0}
+    steps = [0]
+    linear_call, attention = fused_decode._Linear.__call__, fused_decode.grouped_prefix_attention
+    make_decoder = policy.decoder
+
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            out = fn(*a, **kw)
+            acc[key] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    def decoder(max_len):
+        dec = make_decoder(max_len)
+        step = dec.step
+
+        def timed_step(*a, **kw):
+            steps[0] += 1
+            return timed(step, "step")(*a, **kw)
+        dec.step = timed_step
+        return dec
+
+    own = policy.__dict__.get("decoder")  # an instance's own decoder factory, else the class's method
+    fused_decode._Linear.__call__ = timed(linear_call, "linears")
+    fused_decode.grouped_prefix_attention = timed(attention, "attention")
+    policy.decoder = decoder
+    try:
+        run()
+    finally:
+        fused_decode._Linear.__call__, fused_decode.grouped_prefix_attention = linear_call, attention
+        if own is None:
+            del policy.decoder
+        else:
+            policy.decoder = own
+    if not acc["linears"]:
+        raise RuntimeError("the rollout did not run the fused decode step")
+    n = steps[0]
+    return {"step_ms": 1e3 * acc["step"] / n, "linears": acc["linears"] / acc["step"],
+            "attention": acc["attention"] / acc["step"],
+            "rest": (acc["step"] - acc["linears"] - acc["attention"]) / acc["step"]}
+
+
 def ops_per_step(make_run, n: int = 8) -> float:
     """Ops dispatched per decode step (bench.common.count_aten_ops): a rollout of 2n new tokens minus
     one of n, over n; the prefill and the per-rollout set-up cancel out."""
@@ -216,6 +268,10 @@ def main() -> None:
     ops = {"ours_hf_llama": ops_per_step(lambda n: ours(hf_policy, n)),
            "ours_hf_module_step": ops_per_step(lambda n: ours(module_step, n)),
            "ours_gpt": ops_per_step(lambda n: ours(gpt_policy, n)), "hf_generate": ops_per_step(hf_generate)}
+    breakdown = {"fp32": step_breakdown(hf_policy, ours(hf_policy))}
+    if args.bf16:
+        bf16_policy = variant(None, "bfloat16")
+        breakdown["bf16"] = step_breakdown(bf16_policy, ours(bf16_policy))
     no_cache = Policy(llama, hf_policy.tokenizer, hf_policy.model_cfg)
     no_cache.decoder = lambda max_len: NoCacheDecoder(no_cache, max_len)
     short = alternate({"cache": ours(hf_policy, args.no_cache_new_tokens),
@@ -241,9 +297,14 @@ def main() -> None:
     for key, (slow, fast) in pairs.items():
         result[key] = pair_ratios(times, slow, fast)
         print(f"  {key:26s} {fmt_ratios(result[key])}  ({slow} / {fast}, paired over {args.repeats} repeats)")
+    for dtype, b in breakdown.items():
+        print(f"  decode step, ours (HF backend), {dtype}: {b['step_ms']:.2f} ms: weight matmuls {b['linears']:.0%}, "
+              f"attention {b['attention']:.0%}, the rest {b['rest']:.0%}")
     speedup = short["no_cache"][0] / short["cache"][0]
     print(f"  ours with KV cache vs recomputing the prefix ({args.no_cache_new_tokens} new tokens): {speedup:.2f}x")
-    result |= {"ops_per_decode_step": {k: round(v, 1) for k, v in ops.items()}, "cache_speedup": round(speedup, 3),
+    result |= {"ops_per_decode_step": {k: round(v, 1) for k, v in ops.items()},
+               "step_breakdown": {k: {n: round(x, 3) for n, x in b.items()} for k, b in breakdown.items()},
+               "cache_speedup": round(speedup, 3),
                "no_cache_new_tokens": args.no_cache_new_tokens, "repeats": args.repeats}
     print(json.dumps(result))
 

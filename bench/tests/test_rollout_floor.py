@@ -58,3 +58,28 @@ def test_the_floor_does_the_rollouts_weight_matmuls_and_nothing_else():
     head = llama.lm_head.weight.numel()
     expected = 2 * (prompts * prompt_len * per_layer + prompts * head + (new - 1) * prompts * group * (per_layer + head))
     assert got == floor == expected
+
+
+@pytest.mark.slow
+def test_step_breakdown_splits_the_fused_steps_time_and_puts_everything_back():
+    """`step_breakdown`: the weight matmuls, the attention and the rest of each decode step add up to
+    the step; the timers are removed afterwards (the same functions and the policy's own decoder)."""
+    import pipeline.model.fused_decode as fused_decode
+    from bench.rollout import step_breakdown
+
+    torch.set_num_threads(1)
+    hf_policy, _, vocab = build(2, 64, 4)
+    prompt_ids = torch.randint(10, vocab, (2, 5), generator=torch.Generator().manual_seed(0)).tolist()
+    linear, attention = fused_decode._Linear.__call__, fused_decode.grouped_prefix_attention
+
+    def run():
+        rollout_prompts(hf_policy, None, 3, 6, generator=torch.Generator().manual_seed(1), stop_ids=[],
+                        prompt_ids=prompt_ids)
+
+    b = step_breakdown(hf_policy, run)
+    assert b["step_ms"] > 0 and all(0 < b[k] < 1 for k in ("linears", "attention", "rest"))
+    assert abs(b["linears"] + b["attention"] + b["rest"] - 1) < 1e-9
+    assert fused_decode._Linear.__call__ is linear and fused_decode.grouped_prefix_attention is attention
+    assert "decoder" not in hf_policy.__dict__
+    with pytest.raises(RuntimeError, match="fused decode step"):  # a rollout that never decodes
+        step_breakdown(hf_policy, lambda: None)
