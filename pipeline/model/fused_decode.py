@@ -76,7 +76,7 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
-        if not torch.is_autocast_enabled(device):
+        if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
             if self.packable and x.dtype == torch.float32:
                 if self.packed is None:
                     self.packed = packed.PackedWeight(self.weight, self.bias, self.rows)
