@@ -266,9 +266,15 @@ def test_update_under_ddp_equals_single_process(tmp_path, minibatch_groups):
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     a, b = load_file(str(out / "single.safetensors")), load_file(str(out / "ddp.safetensors"))
     # Adam's first step is ~lr * sign(grad): a gradient within fp noise of 0 can move a weight by up
-    # to lr (1e-2); allow 0.2% of lr, far below any real difference in the update
+    # to lr (1e-2). Every weight within 0.2% of lr, far below any real difference in the update, but
+    # for at most one in a thousand of a tensor's weights (such near-zero gradients: on an AMD AVX512
+    # CPU one of 4,096 landed 0.216% of lr apart), which still stay within lr. A wrong update (a
+    # gradient not averaged, a step missing) moves most weights, not one in a thousand.
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=2e-5)
+        diff = (a[k] - b[k]).abs()
+        loose = diff > 2e-5 + 1e-5 * b[k].abs()
+        assert int(loose.sum()) <= a[k].numel() // 1000, (k, int(loose.sum()), float(diff.max()))
+        assert float(diff.max()) <= 1e-2, k
     ma = json.loads((out / "single.json").read_text())
     mb = json.loads((out / "ddp.json").read_text())
     for k in ("loss", "grad_norm"):  # token-weighted exactly; per-token means (kl, clipfrac) average per rank
