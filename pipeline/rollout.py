@@ -28,6 +28,7 @@ Layout of every (N, T) tensor, T = prompt width + generated steps:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -183,7 +184,7 @@ def rollout_prompts(policy: Policy, prompts: list[str], group_size: int, max_new
     already tokenised (then `prompts` may be None).
     """
     _check_args(group_size, max_new_tokens, temperature, top_p, top_k)
-    with torch.inference_mode():
+    with _no_grad_for(policy):
         rollout = _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, top_k, greedy,
                            generator, stop_ids, prompt_ids)
     # Inference tensors cannot enter autograd; training recomputes log-probs on input_ids, so hand
@@ -238,6 +239,21 @@ def _decode(decoder, logits, next_pos, max_new_tokens: int, stop, pad_id: int, u
     if active is not None:
         done[active[stopped]] = True
     return out_tokens, out_logp, lengths, done, t
+
+
+@contextlib.contextmanager
+def _no_grad_for(policy: Policy):
+    """Gradients off for a rollout. Plain fp32: inference mode. Under autocast: no_grad inside ONE
+    autocast region for the whole rollout, so autocast casts each weight to the compute dtype once
+    and reuses the cast at every decode step (its cast cache lives until the outermost region
+    exits, and is off in inference mode, where each step would cast every weight again: on CPU
+    those casts cost as much as the bf16 matmuls themselves). The same values either way."""
+    if policy.autocast_dtype is None:
+        with torch.inference_mode():
+            yield
+    else:
+        with torch.no_grad(), policy.autocast():
+            yield
 
 
 def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, top_k, greedy, generator,

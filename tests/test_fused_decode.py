@@ -127,3 +127,94 @@ def test_fused_gpt_step_equals_the_module_step(positions, tiny_tokenizer, monkey
         fast, plain = out[True, greedy], out[False, greedy]
         assert torch.equal(fast.input_ids, plain.input_ids)
         torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=2e-5, rtol=0)
+
+
+class _ParamCasts:
+    """A dispatch mode counting the casts of each of `module`'s parameters (by storage)."""
+
+    def __init__(self, module: nn.Module):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ptrs = {p.data_ptr(): name for name, p in module.named_parameters()}
+        counts: dict[str, int] = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in ptrs:
+                    counts[ptrs[args[0].data_ptr()]] = counts.get(ptrs[args[0].data_ptr()], 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode, self.counts = Mode(), counts
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf-gpt2", "hf-llama"])
+def test_bf16_rollout_casts_each_weight_once(kind, tiny_tokenizer, hf_dirs, monkeypatch):
+    """A bf16-autocast rollout casts its weights to bf16 a fixed number of times per rollout, not at
+    every decode step (one autocast region for the whole rollout keeps autocast's cast cache;
+    inference mode turns that cache off; the fused steps keep their own casts), and samples exactly
+    what per-step casts sample: the same tokens and log-probs."""
+    from pipeline import rollout as rollout_mod
+
+    torch.manual_seed(0)
+    if kind == "gpt":
+        policy = build_policy(tiny_model_config(dtype="bfloat16"), tiny_tokenizer)
+    else:
+        policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind.split("-")[1]], dtype="bfloat16"))
+
+    def run(new_tokens):
+        casts = _ParamCasts(policy.module)
+        with casts.mode:
+            out = rollout_prompts(policy, PROMPTS, group_size=4, max_new_tokens=new_tokens, stop_ids=[],
+                                  generator=torch.Generator().manual_seed(3))
+        return out, casts.counts
+
+    got, casts = run(12)
+    assert casts and max(casts.values()) <= 2, casts  # the prefill's, and a fused step's own
+    assert run(4)[1] == casts  # none per step
+    # against rollouts with each step its own autocast region, under no_grad and in inference mode
+    monkeypatch.setattr(rollout_mod, "_no_grad_for", lambda policy: torch.no_grad())
+    want, per_step = run(12)
+    if kind == "hf-gpt2":  # the module path: every weight cast at every step
+        assert min(per_step.values()) >= 12
+    monkeypatch.setattr(rollout_mod, "_no_grad_for", lambda policy: torch.inference_mode())
+    for other in (want, run(12)[0]):
+        assert torch.equal(got.input_ids, other.input_ids) and torch.equal(got.logprobs, other.logprobs)
+
+
+def test_gpt2_module_step_attends_over_the_whole_bf16_cache_past_a_third(hf_dirs, monkeypatch):
+    """GPT-2 decodes through its own modules (no fused step). Under bf16 on CPU its steps attend
+    over the slice of the written response positions for the first third of the cache, then over
+    the whole preallocated cache with the unwritten positions masked (a strided slice costs oneDNN
+    a copy per batched matmul); the logits stay within bf16 rounding of the slice form's."""
+    from pipeline.model import hf
+
+    policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["gpt2"], dtype="bfloat16"))
+    seen = []
+    attend = hf.grouped_prefix_attention
+
+    def spy(q, kp_t, vp, k, v, prefix_bias, **kw):
+        seen.append((k.shape[2], kw.get("key_bias") is not None))
+        return attend(q, kp_t, vp, k, v, prefix_bias, **kw)
+
+    monkeypatch.setattr(hf, "grouped_prefix_attention", spy)
+    ids = torch.randint(5, policy.tokenizer.vocab_size, (2, 6))
+    mask, pos = torch.ones_like(ids), torch.arange(6).expand(2, 6)
+    whole, sliced = (_Autocasting(HFDecoder(policy.module, 16), policy) for _ in range(2))
+    assert whole.inner.shared and not whole.inner.use_fused
+    with torch.inference_mode():
+        tokens = whole.prefill(ids, mask, pos, 3).argmax(-1)
+        sliced.prefill(ids, mask, pos, 3)
+        p = torch.full((6,), 6)
+        for t in range(10):
+            seen.clear()
+            a = whole.step(tokens, p)
+            layers = len(seen)
+            assert seen == [(10, True)] * layers if 3 * (t + 1) > 10 else seen == [(t + 1, False)] * layers
+            with monkeypatch.context() as m:
+                m.setattr(hf, "whole_cache_key_bias", lambda k, t: None)
+                b = sliced.step(tokens, p)
+            torch.testing.assert_close(a, b, atol=0.02 * float(b.abs().max()), rtol=0)
+            tokens, p = b.argmax(-1), p + 1
+    fp32 = HFDecoder(build_policy(tiny_model_config(backend="hf", init=hf_dirs["gpt2"])).module, 16)
+    fp32.prefill(ids, mask, pos, 3)
+    assert hf.whole_cache_key_bias(fp32.cache.k[0], 9) is None  # fp32: always the slice

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model import packed
-from pipeline.model.attention import grouped_prefix_attention
+from pipeline.model.attention import grouped_prefix_attention, whole_cache_key_bias
 
 _TYPES = ("llama", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3")  # inv_freq fixed for the whole rollout
@@ -164,19 +164,9 @@ class FusedLlamaStep:
 
     def _whole_cache_bias(self, t: int) -> torch.Tensor | None:
         """The response attention over the whole preallocated cache, position > `t` masked by this
-        (max_new,) additive bias, or None: over the slice of the positions written so far.
-
-        Only for a reduced-precision cache on CPU, once past a third of it: there oneDNN's batched
-        matmuls copy a strided operand (the slice) before multiplying, so a step over the slice
-        costs more as the response grows, while the whole cache is contiguous and costs the same
-        at every step (``bench/rollout.py --bf16``; 1.4x on the step's attention at 64 new
-        tokens). The masked positions get exactly zero weight. fp32 keeps the slice: there MKL
-        reads it in place, and the default run's numbers stay the same."""
-        k = self.cache.k[0]
-        M = k.shape[2]
-        if k.dtype == torch.float32 or k.device.type != "cpu" or 3 * (t + 1) <= M:
-            return None
-        return torch.zeros(M, dtype=k.dtype).masked_fill_(torch.arange(M) > t, float("-inf"))
+        (max_new,) additive bias, or None: over the slice written so far (see
+        :func:`~pipeline.model.attention.whole_cache_key_bias`)."""
+        return whole_cache_key_bias(self.cache.k[0], t)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (N, h, D): ``x * cos + rotate_half(x) * sin`` with rotate_half as a flip of the halves."""

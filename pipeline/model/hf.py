@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from pipeline.model import fastpaths, fused_decode
-from pipeline.model.attention import grouped_prefix_attention, positions_from_mask, whole_groups
+from pipeline.model.attention import grouped_prefix_attention, positions_from_mask, whole_cache_key_bias, whole_groups
 from pipeline.model.hf_mask import self_attending_mask
 
 
@@ -220,12 +220,18 @@ def _shared_prefix_attention(module, query, key, value, attention_mask, scaling=
 
     query (N, H, 1, D); key/value (N, Hkv, t, D): the response positions so far (this step's
     included); `attention_mask`: (B, 1, 1, Tp) additive bias of the prompt keys (0 or -inf).
-    Returns (N, 1, H, D) like transformers' own attention functions.
+    Returns (N, 1, H, D) like transformers' own attention functions. Where the decoder's step set
+    a `key_bias` (a reduced-precision cache on CPU, see
+    :func:`~pipeline.model.attention.whole_cache_key_bias`), the step attends over the whole
+    preallocated response cache instead, the positions not written yet masked.
     """
     dec = _active[-1]
     kp_t, vp = dec.prefix[module.layer_idx]  # (B, Hkv, D, Tp), (B, Hkv, Tp, D)
+    if dec.key_bias is not None:
+        key, value = dec.cache.k[module.layer_idx], dec.cache.v[module.layer_idx]  # (N, Hkv, max_new, D)
     # the prompt bias expanded over key heads once per rollout (`attention_mask` is its (B, 1, 1, Tp) form)
-    y = grouped_prefix_attention(query, kp_t, vp, key, value, dec.prefix_bias, scale=scaling)  # (N, H, 1, D)
+    y = grouped_prefix_attention(query, kp_t, vp, key, value, dec.prefix_bias, scale=scaling,
+                                 key_bias=dec.key_bias)  # (N, H, 1, D)
     return y.transpose(1, 2), None
 
 
@@ -285,6 +291,7 @@ class HFDecoder:
             self.cache = DynamicCache(config=cfg)
         self.key = _cache_kwarg(model)
         self.mask: torch.Tensor | None = None
+        self.key_bias: torch.Tensor | None = None  # a module step over the whole response cache: see _shared_step
         self.length = 0
         if fused is None:
             fused = fastpaths.enabled() and fused_decode.supported(model)
@@ -381,6 +388,7 @@ class HFDecoder:
         cfg = self.model.config
         impl = cfg._attn_implementation
         cfg._attn_implementation = _SHARED_PREFIX_ATTN  # this forward only
+        self.key_bias = whole_cache_key_bias(self.cache.k[0], self.cache.length)
         _active.append(self)
         try:
             # a 4-D mask is passed through untouched: no mask is built per step
