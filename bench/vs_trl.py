@@ -7,7 +7,9 @@ addition question after filler words) x ``--group`` 8 generations, exactly ``--n
 completion tokens (TRL: ``min_new_tokens``; ours: no stop tokens), temperature 1.0,
 ``--beta`` = kl_coef = 0.04 (> 0: both run a reference forward), clip 0.2, one update
 pass (TRL ``num_iterations=1``: old log-probs = new.detach() on both), token-mean loss (TRL
-``loss_type="dapo"``), per-group reward scaling, AdamW lr 2e-5, CPU, fp32, no vLLM, no
+``loss_type="dapo"``), per-group reward scaling, AdamW lr 2e-5, CPU, ``--dtype`` float32 (or
+bfloat16: bf16 autocast over fp32 weights on both sides, TRL ``bf16=True`` and our
+``model.dtype: bfloat16``; for a CPU with bf16 kernels), no vLLM, no
 checkpoints (TRL ``save_strategy="no"``, ``report_to="none"``), no gradient checkpointing (TRL's
 default is on; ours has none, so it is turned off for a like-for-like figure). Reward on both sides: our
 verifier (``reward_for("arith")``) on the arithmetic prompts (the whole dataset, so every iteration
@@ -27,7 +29,7 @@ eight-op formula instead of one op (``fused_gelu_speedup``: formula / one op, pa
 
     make bench-venv && .venv-bench/bin/python bench/vs_trl.py [--repeats 3] [--prompt-len 56] [--new-tokens 32]
         [--group 8] [--prompts 8] [--layers 4] [--width 256] [--beta 0.04] [--ab-shared-prefix]
-        [--ab-formula-gelu] [--grid]
+        [--ab-formula-gelu] [--dtype float32|bfloat16] [--grid]
 
 The last line printed is a JSON object with ``trl_s``, ``ours_s`` and ``speedup`` (min/median/max of
 the paired trl / ours ratios); with ``--grid``, ``cells`` holds one such object per cell.
@@ -94,7 +96,7 @@ def ours_trainer(model_dir: Path, data: list[dict], args):
     from pipeline import group_sampling
 
     write_rows(data)
-    model = {"backend": "hf", "init": str(model_dir), "device": "cpu", "dtype": "float32"}
+    model = {"backend": "hf", "init": str(model_dir), "device": "cpu", "dtype": args.dtype}
     cfg = config_from_dict({
         "model": model, "tracking": {"enabled": False},
         "grpo": {"iterations": 1000, "prompts_per_iter": args.prompts, "group_size": args.group,
@@ -124,6 +126,8 @@ def parse_args(argv=None):
                     help="also time our iteration with the shared-prompt log-prob path off (an extra arm after ours)")
     ap.add_argument("--ab-formula-gelu", action="store_true",
                     help="also time our iteration with GPT-2's GELU as transformers' formula (an extra arm)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="compute dtype on both sides: bfloat16 is bf16 autocast over fp32 weights (TRL bf16=True)")
     ap.add_argument("--grid", action="store_true", help="every cell of the grid, one fresh process each")
     return ap.parse_args(argv)
 
@@ -132,7 +136,7 @@ def run_grid(args) -> None:
     cells = []
     for prompt_len, new_tokens, group in itertools.product(*GRID.values()):
         flags = ["--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens), "--group", str(group)]
-        for name in ("repeats", "threads", "layers", "width", "prompts", "beta"):
+        for name in ("repeats", "threads", "layers", "width", "prompts", "beta", "dtype"):
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         arms = ("ab_shared_prefix", "ab_formula_gelu")  # the A/B arms run in every cell too
         flags += [f"--{name.replace('_', '-')}" for name in arms if getattr(args, name)]
@@ -225,7 +229,8 @@ def trl_trainer(tmp: Path, model_dir: Path, data: list[dict], args, after_step):
         generation_kwargs={"min_new_tokens": args.new_tokens}, temperature=1.0, top_p=1.0, top_k=0,
         beta=args.beta, epsilon=CLIP, num_iterations=1, loss_type="dapo", scale_rewards="group",
         learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_steps=1 + args.repeats,
-        save_strategy="no", report_to="none", logging_steps=10_000, use_cpu=True, bf16=False, fp16=False, seed=0,
+        save_strategy="no", report_to="none", logging_steps=10_000, use_cpu=True,
+        bf16=args.dtype == "bfloat16", fp16=False, seed=0,
         gradient_checkpointing=False, disable_dropout=True, dataloader_num_workers=0, log_completions=False)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "gold": r["gold"]} for r in data])
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=dataset,
@@ -242,6 +247,7 @@ def report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, fo
     print(f"{machine_line(torch.get_num_threads())}; trl {trl_version}, transformers {tf_version}")
     print(f"GPT-2 {args.layers}x{args.width}, {n_params / 1e6:.2f}M params, {args.prompts}x{args.group} completions "
           f"of {args.new_tokens} tokens, prompts of {prompt_tokens:.1f} tokens, beta {args.beta}, clip {CLIP}, "
+          f"{args.dtype}, "
           "one update per iteration; random init")
     print(f"  TRL GRPOTrainer  {trl_s:7.3f} s/iteration  (warm-up {trl_times[0]:.2f}s; "
           + ", ".join(f"{t:.3f}" for t in timed["trl"]) + ")")
@@ -266,7 +272,7 @@ def report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, fo
     emit({"bench": "vs_trl", "trl_version": trl_version, "transformers_version": tf_version,
           "threads": args.threads, "params": n_params, "prompt_len": args.prompt_len,
           "prompt_tokens": round(prompt_tokens, 1), "new_tokens": args.new_tokens, "group": args.group,
-          "prompts": args.prompts, "beta": args.beta, "load": load_avg(), "trl_s": round(trl_s, 4),
+          "prompts": args.prompts, "beta": args.beta, "dtype": args.dtype, "load": load_avg(), "trl_s": round(trl_s, 4),
           "ours_s": round(ours_s, 4), "speedup": speedup, "trl_times": [round(t, 4) for t in trl_times],
           "ours_times": [round(t, 4) for t in ours_times], **extra})
 
