@@ -14,7 +14,8 @@ MKL's packed GEMM as the fused step runs them: what the rollout would cost with 
 ``floor_ratio`` = generate() over it, an estimate of how far ahead of generate() an fp32 engine with
 our arithmetic, one prefill per prompt included, could get on this CPU; ``ours_over_floor``).
 ``--bf16``: both engines under bf16 autocast (``ratio_bf16``; slower than fp32 on a CPU without
-bf16 kernels: see the ``kernels`` of the first line).
+bf16 kernels: see the ``kernels`` of the first line), and our module-step decoder too
+(``ratio_module_step_bf16``: the path of a model with no fused step, e.g. GPT-2).
 ``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms.
 
 Also the ops dispatched per decode step of each engine (``ops_per_decode_step``: a rollout of 16
@@ -259,7 +260,9 @@ def main() -> None:
             "weight_matmuls_only": weight_matmuls_only(llama, args.prompts, args.prompt_len,
                                                        args.prompts * args.group, args.new_tokens)}
     if args.bf16:
-        runs |= {"ours_hf_bf16": ours(variant(None, "bfloat16")), "hf_generate_bf16": hf_generate(dtype=torch.bfloat16)}
+        runs |= {"ours_hf_bf16": ours(variant(None, "bfloat16")), "hf_generate_bf16": hf_generate(dtype=torch.bfloat16),
+                 "ours_hf_module_step_bf16": ours(variant(lambda max_len: HFDecoder(llama, max_len, fused=False),
+                                                          "bfloat16"))}
     if args.levers:
         runs |= {"ours_hf_static_cache": ours(variant(lambda max_len: HFDecoder(llama, max_len, shared_prefix=False))),
                  "ours_hf_unpacked": unpacked(ours(hf_policy)), "ours_gpt_unpacked": unpacked(ours(gpt_policy))}
@@ -287,7 +290,8 @@ def main() -> None:
              "floor_ratio": ("hf_generate", "weight_matmuls_only"),
              "ours_over_floor": ("ours_hf_llama", "weight_matmuls_only")}
     if args.bf16:
-        pairs |= {"ratio_bf16": ("hf_generate_bf16", "ours_hf_bf16"), "bf16_speedup": ("ours_hf_llama", "ours_hf_bf16")}
+        pairs |= {"ratio_bf16": ("hf_generate_bf16", "ours_hf_bf16"), "bf16_speedup": ("ours_hf_llama", "ours_hf_bf16"),
+                  "ratio_module_step_bf16": ("hf_generate_bf16", "ours_hf_module_step_bf16")}
     if args.levers:
         pairs |= {"shared_prefix_speedup": ("ours_hf_static_cache", "ours_hf_llama"),
                   "packed_linear_speedup_hf": ("ours_hf_unpacked", "ours_hf_llama"),
