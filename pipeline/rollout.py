@@ -187,8 +187,8 @@ def rollout_prompts(policy: Policy, prompts: list[str], group_size: int, max_new
     with _no_grad_for(policy):
         rollout = _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, top_k, greedy,
                            generator, stop_ids, prompt_ids)
-    # Inference tensors cannot enter autograd; training recomputes log-probs on input_ids, so hand
-    # back ordinary tensors (a copy of a few (N, T) tensors, negligible next to decoding).
+    # Inference tensors (an fp32 rollout's) cannot enter autograd; training recomputes log-probs on
+    # input_ids, so hand back ordinary tensors (a copy of a few (N, T) tensors, negligible next to decoding).
     for name in ("input_ids", "attention_mask", "response_mask", "logprobs", "response_lengths", "truncated"):
         setattr(rollout, name, getattr(rollout, name).clone())
     return rollout
