@@ -32,7 +32,8 @@ eight-op formula instead of one op (``fused_gelu_speedup``: formula / one op, pa
         [--ab-formula-gelu] [--dtype float32|bfloat16] [--grid]
 
 The last line printed is a JSON object with ``trl_s``, ``ours_s`` and ``speedup`` (min/median/max of
-the paired trl / ours ratios); with ``--grid``, ``cells`` holds one such object per cell.
+the paired trl / ours ratios) and ``ours_phases_s`` (our timed iterations' rollout, log-prob and update
+phases, from the iteration's own timers); with ``--grid``, ``cells`` holds one such object per cell.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from common import (GRPOIterations, arith_rows, emit, fmt_ratios, load_avg, mach
 import torch
 
 CLIP, LR = 0.2, 2e-5
+PHASES = ("rollout", "logprobs", "update")  # our iteration's phase timers (pipeline.stages.grpo)
 GRID = {"prompt_len": (20, 128), "new_tokens": (32, 128), "group": (8, 16)}
 FILLER = "Read the question below and think before you answer it . ".split()
 
@@ -175,6 +177,7 @@ def main() -> None:
         prompt_tokens = sum(len(bpe.encode(r["prompt"])) for r in data) / len(data)
         ours = ours_trainer(model_dir, data, args)
         ours_times: list[float] = []
+        ours_phases: list[dict[str, float]] = []  # the iteration's own phase timers
         plain_times: list[float] = []
         formula_times: list[float] = []
         trl_marks: list[float] = []
@@ -182,8 +185,9 @@ def main() -> None:
         def after_trl_step():
             trl_marks.append(time.perf_counter())
             t0 = time.perf_counter()
-            ours.iteration()
+            metrics, _ = ours.iteration()
             ours_times.append(time.perf_counter() - t0)
+            ours_phases.append({k: metrics[f"time_{k}"] for k in PHASES})
             if args.ab_shared_prefix:  # the same iteration with every group's prompt recomputed per row
                 shared, Policy._shares_prompt = Policy._shares_prompt, lambda *a: False
                 t0 = time.perf_counter()
@@ -202,8 +206,8 @@ def main() -> None:
         trl_trainer(tmp, model_dir, data, args, after_trl_step).train()
         starts = [t_start] + trl_marks[1::2][:-1]
         trl_times = [end - start for start, end in zip(starts, trl_marks[0::2])]
-    report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, formula_times, trl.__version__,
-           transformers.__version__)
+    report(args, n_params, prompt_tokens, trl_times, ours_times, ours_phases, plain_times, formula_times,
+           trl.__version__, transformers.__version__)
 
 
 def trl_trainer(tmp: Path, model_dir: Path, data: list[dict], args, after_step):
@@ -239,7 +243,7 @@ def trl_trainer(tmp: Path, model_dir: Path, data: list[dict], args, after_step):
     return trainer
 
 
-def report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, formula_times, trl_version,
+def report(args, n_params, prompt_tokens, trl_times, ours_times, ours_phases, plain_times, formula_times, trl_version,
            tf_version) -> None:
     timed = {"trl": trl_times[1:], "ours": ours_times[1:]}  # step i of TRL, then iteration i of ours
     speedup = pair_ratios(timed, "trl", "ours")
@@ -253,6 +257,8 @@ def report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, fo
           + ", ".join(f"{t:.3f}" for t in timed["trl"]) + ")")
     print(f"  ours (hf)        {ours_s:7.3f} s/iteration  (warm-up {ours_times[0]:.2f}s; "
           + ", ".join(f"{t:.3f}" for t in timed["ours"]) + ")")
+    phases = {k: [ph[k] for ph in ours_phases[1:]] for k in PHASES}
+    print("  ours by phase     " + ", ".join(f"{k} {min(v):.3f}-{max(v):.3f} s" for k, v in phases.items()))
     print(f"  speedup (TRL / ours, paired): {fmt_ratios(speedup)}")
     extra = {}
     if plain_times:
@@ -274,7 +280,8 @@ def report(args, n_params, prompt_tokens, trl_times, ours_times, plain_times, fo
           "prompt_tokens": round(prompt_tokens, 1), "new_tokens": args.new_tokens, "group": args.group,
           "prompts": args.prompts, "beta": args.beta, "dtype": args.dtype, "load": load_avg(), "trl_s": round(trl_s, 4),
           "ours_s": round(ours_s, 4), "speedup": speedup, "trl_times": [round(t, 4) for t in trl_times],
-          "ours_times": [round(t, 4) for t in ours_times], **extra})
+          "ours_times": [round(t, 4) for t in ours_times],
+          "ours_phases_s": {k: [round(t, 4) for t in v] for k, v in phases.items()}, **extra})
 
 
 if __name__ == "__main__":
