@@ -254,15 +254,17 @@ def main() -> None:
             pol.decoder = lambda max_len: _Autocasting(make_decoder(max_len), pol)
         return pol
 
-    module_step = variant(lambda max_len: HFDecoder(llama, max_len, fused=False))  # each step through the modules
+    def module_decoder(max_len):  # each step through the model's own modules
+        return HFDecoder(llama, max_len, fused=False)
+
+    module_step = variant(module_decoder)
     runs = {"ours_hf_llama": ours(hf_policy), "hf_generate": hf_generate(), "ours_gpt": ours(gpt_policy),
             "ours_hf_module_step": ours(module_step),
             "weight_matmuls_only": weight_matmuls_only(llama, args.prompts, args.prompt_len,
                                                        args.prompts * args.group, args.new_tokens)}
     if args.bf16:
         runs |= {"ours_hf_bf16": ours(variant(None, "bfloat16")), "hf_generate_bf16": hf_generate(dtype=torch.bfloat16),
-                 "ours_hf_module_step_bf16": ours(variant(lambda max_len: HFDecoder(llama, max_len, fused=False),
-                                                          "bfloat16"))}
+                 "ours_hf_module_step_bf16": ours(variant(module_decoder, "bfloat16"))}
     if args.levers:
         runs |= {"ours_hf_static_cache": ours(variant(lambda max_len: HFDecoder(llama, max_len, shared_prefix=False))),
                  "ours_hf_unpacked": unpacked(ours(hf_policy)), "ours_gpt_unpacked": unpacked(ours(gpt_policy))}
