@@ -125,28 +125,68 @@ def add_decode_workload_args(ap) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
 
 
-def _best_mm_seconds(m: int, k: int, n: int, repeats: int, dtype: str, device: str) -> float:
-    """Best seconds of one (m x k) @ (k x n) torch.mm of random operands (after a warm-up; CUDA synced)."""
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's pre-packed linear (what Inductor's CPU weight freezing
+    calls): ``torch.ops.mkldnn._reorder_linear_weight`` and ``_linear_pointwise``."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return callable(torch.ops.mkldnn._reorder_linear_weight) and callable(torch.ops.mkldnn._linear_pointwise)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _best_of(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemms(a, b) -> dict:
+    """The products ``a @ b`` this torch build can time for `a` (m x k) and `b` (k x n), by library:
+    ``mm`` (torch.mm: MKL in fp32 on x86 CPUs, oneDNN in bf16, cuBLAS on CUDA) and, on CPU,
+    ``onednn`` (oneDNN's linear on `b` packed for m rows here, once, outside the calls). Each a
+    callable returning the product."""
+    import torch
+
+    out = {"mm": lambda: torch.mm(a, b)}
+    if a.device.type == "cpu" and onednn_linear_available():
+        w = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), a.shape[0])
+        out["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+    return out
+
+
+def _best_mm_seconds_by_library(m: int, k: int, n: int, repeats: int, dtype: str, device: str) -> dict[str, float]:
+    """Best seconds of one (m x k) @ (k x n) product of random operands (after a warm-up; CUDA
+    synced) by each of :func:`gemms` (oneDNN's pre-packed linear is 1.1-1.2x MKL at some fp32 shapes
+    of an iteration: docs/results/speed.md)."""
     import torch
 
     dt = getattr(torch, dtype)
     a = torch.randn(m, k, dtype=dt, device=device)
     b = torch.randn(k, n, dtype=dt, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    torch.mm(a, b)
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return {library: _best_of(fn, repeats, sync) for library, fn in gemms(a, b).items()}
+
+
+def _best_mm_seconds(m: int, k: int, n: int, repeats: int, dtype: str, device: str) -> float:
+    """Best seconds of one (m x k) @ (k x n) product: the fastest of the GEMMs this torch build has
+    for it (:func:`_best_mm_seconds_by_library`)."""
+    return min(_best_mm_seconds_by_library(m, k, n, repeats, dtype, device).values())
 
 
 def matmul_peak(n: int = 1024, repeats: int = 5, dtype: str = "float32", device: str = "cpu") -> float:
-    """Best FLOP/s of an (n x n) @ (n x n) torch.mm at the current thread count: the machine's
-    practical matmul peak (best of `repeats`, after a warm-up)."""
+    """Best FLOP/s of an (n x n) @ (n x n) product at the current thread count, the fastest of this
+    torch build's GEMMs (:func:`_best_mm_seconds`): the machine's practical matmul peak at that
+    shape (best of `repeats`, after a warm-up)."""
     return 2 * n ** 3 / _best_mm_seconds(n, n, n, repeats, dtype, device)
 
 
@@ -197,20 +237,24 @@ def cpu_has_bf16_kernels() -> bool:
 
 class ShapePeak:
     """The practical matmul peak over the shapes an iteration runs: each weight (out, in) at each of
-    its row counts (prefill, decode, log-prob/update passes), best FLOP/s of any one shape. Call
-    :meth:`measure` between iterations (interleaved, so it sees the same load) and read `best`:
-    the max over every call, with the shape that gave it."""
+    its row counts (prefill, decode, log-prob/update passes), best FLOP/s of any one shape by any of
+    this torch build's GEMMs (on CPU MKL's ``mm`` and oneDNN's pre-packed linear: the best the
+    hardware shows, not only the library the iteration calls). Call :meth:`measure` between
+    iterations (interleaved, so it sees the same load) and read `best`: the max over every call,
+    with the shape (`best_shape`) and the GEMM (`best_library`) that gave it."""
 
     def __init__(self, dtype: str = "float32", repeats: int = 3) -> None:
         self.dtype, self.repeats = dtype, repeats
-        self.best, self.best_shape = 0.0, None
+        self.best, self.best_shape, self.best_library = 0.0, None, None
 
     def measure(self, shapes: list[tuple[int, int]], rows: list[int]) -> float:
         for m in sorted(set(rows)):
             for out_f, in_f in sorted(set(shapes)):
-                rate = 2 * m * in_f * out_f / _best_mm_seconds(m, in_f, out_f, self.repeats, self.dtype, "cpu")
-                if rate > self.best:
-                    self.best, self.best_shape = rate, (m, in_f, out_f)
+                secs = _best_mm_seconds_by_library(m, in_f, out_f, self.repeats, self.dtype, "cpu")
+                for library, t in secs.items():
+                    rate = 2 * m * in_f * out_f / t
+                    if rate > self.best:
+                        self.best, self.best_shape, self.best_library = rate, (m, in_f, out_f), library
         return self.best
 
 

@@ -19,7 +19,8 @@ log-prob passes):
             x3 in the update
 The peak on CPU is the best of the matmul shapes the iteration itself runs (every weight at the
 prefill's, the decode steps' and the log-prob/update passes' row counts, ``bench.common.ShapePeak``),
-at the same thread count, measured after every iteration, interleaved with them, the best over all
+by the fastest GEMM this torch build has for the shape (MKL's ``mm`` or oneDNN's pre-packed linear:
+the best the hardware shows, whichever library the iteration itself calls), at the same thread count, measured after every iteration, interleaved with them, the best over all
 (a square 2048^3 ``torch.mm`` measured once is printed beside it: it is not this model's shape and
 collapses under load). Where the CPU has bf16 matmul kernels (AVX512-BF16 / AMX) the bf16 peak of
 the same shapes is reported too. On CUDA (``model.device`` auto or
@@ -232,9 +233,10 @@ def main() -> None:
     else:
         m, k, n = shape_peak.best_shape
         print(f"matmul peak (fp32, best of the iteration's own shapes, measured after each iteration, "
-              f"{args.threads} thread(s)): {peak / 1e9:.1f} GFLOP/s at ({m} x {k}) @ ({k} x {n}); "
+              f"{args.threads} thread(s)): {peak / 1e9:.1f} GFLOP/s at ({m} x {k}) @ ({k} x {n}) "
+              f"({shape_peak.best_library}); "
               f"a square 2048^3 mm: {square / 1e9:.1f} GFLOP/s")
-        print(f"bf16 peak of the same shapes: {bf16_peak.best / 1e9:.1f} GFLOP/s" if bf16_peak is not None
+        print(f"bf16 peak of the same shapes: {bf16_peak.best / 1e9:.1f} GFLOP/s ({bf16_peak.best_library})" if bf16_peak is not None
               else "bf16: this CPU has no bf16 matmul kernels (emulated bf16 is slower than fp32): no bf16 peak")
     which = "lower median" if len(times) % 2 == 0 else "median"
     print(f"iteration: {wall:.3f}s ({which} of {len(times)}: " + ", ".join(f"{t:.3f}" for t in times) + ")")
@@ -283,7 +285,8 @@ def main() -> None:
           "phase_gflop": {k: round(v / 1e9, 3) for k, v in flops.items()},
           "gflop_per_iteration": round(total_flops / 1e9, 3), "gflop_s": round(rate / 1e9, 3),
           "matmul_peak_gflop_s": round(peak / 1e9, 2), "fraction_of_peak": round(rate / peak, 4),
-          "peak_shape": None if cuda else shape_peak.best_shape, "square_2048_gflop_s": round(square / 1e9, 2),
+          "peak_shape": None if cuda else shape_peak.best_shape,
+          "peak_library": None if cuda else shape_peak.best_library, "square_2048_gflop_s": round(square / 1e9, 2),
           **({"bf16_peak_gflop_s": round(bf16_peak.best / 1e9, 2),
               "fraction_of_bf16_peak": round(rate / bf16_peak.best, 4)} if bf16_peak is not None else {}),
           "decode_shape_matmul_gflop_s": round(ceil_decode / 1e9, 2),

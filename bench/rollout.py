@@ -12,11 +12,15 @@ Arms: ``ours_hf_llama`` (the fused Llama decode step, ``pipeline.model.fused_dec
 modules: ``fused_step_speedup``), ``weight_matmuls_only`` (our rollout's weight matmuls alone, on
 MKL's packed GEMM as the fused step runs them: what the rollout would cost with every other op free;
 ``floor_ratio`` = generate() over it, an estimate of how far ahead of generate() an fp32 engine with
-our arithmetic, one prefill per prompt included, could get on this CPU; ``ours_over_floor``).
+our arithmetic, one prefill per prompt included, could get on this CPU; ``ours_over_floor``), and the
+same on oneDNN's pre-packed GEMM (``weight_matmuls_only_onednn``, ``floor_ratio_onednn``: faster
+than MKL at these shapes on some CPUs, another order of float sums).
 ``--bf16``: both engines under bf16 autocast (``ratio_bf16``; slower than fp32 on a CPU without
 bf16 kernels: see the ``kernels`` of the first line), and our module-step decoder too
 (``ratio_module_step_bf16``: the path of a model with no fused step, e.g. GPT-2).
-``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms.
+``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms, and our rollout
+with its packed weights on oneDNN instead of MKL (``ours_hf_onednn``: ``ratio_onednn``,
+``onednn_linear_speedup``; not the pipeline's kernel, which stays MKL's in fp32).
 
 Also the ops dispatched per decode step of each engine (``ops_per_decode_step``: a rollout of 16
 new tokens minus one of 8, over 8; load-independent), where our fused step's time goes
@@ -46,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.common import (add_decode_workload_args, alternate, count_aten_ops, fmt_ratios, load_avg,
-                          machine_line, median, pair_ratios)
+                          machine_line, median, onednn_linear_available, pair_ratios)
 from pipeline.config import ModelConfig
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.hf import HFDecoder, HFTokenizer
@@ -104,24 +108,59 @@ def build(layers: int, width: int, heads: int):
     return hf_policy, gpt_policy, V
 
 
-def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tokens: int):
+class OneDNNWeight:
+    """``x @ weight.T + bias`` on oneDNN's copy of `weight` packed for `rows`-row inputs (what
+    Inductor's CPU weight freezing calls), the same interface as
+    :class:`pipeline.model.packed.PackedWeight` (MKL): the GEMM of the ``onednn`` arms. Any row count
+    runs on the one packed copy. Another order of float sums than MKL's, so not the pipeline's
+    kernel: the arms measure what it would give."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def on_onednn(run):
+    """`run` (a rollout) with every weight the pipeline packs for MKL (the fused step's and the module
+    path's, ``pipeline.model.packed``) packed for oneDNN instead: the ``ours_hf_onednn`` lever."""
+    import pipeline.model.packed as packed_module
+
+    def wrapped():
+        orig = packed_module.PackedWeight
+        packed_module.PackedWeight = OneDNNWeight
+        try:
+            run()
+        finally:
+            packed_module.PackedWeight = orig
+    return wrapped
+
+
+def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tokens: int, gemm: str = "mkl"):
     """Our rollout's weight matmuls and nothing else: the prefill's (every layer's q/k/v, o, gate/up and
     down weights on the B x Tp prompt tokens, the LM head on the B last ones) and each decode step's
     (the same weights and the head on all N rows, for the new_tokens - 1 steps after the prefill), on
-    MKL's packed GEMM as the fused step runs them (packed outside the timed calls, the same inputs
-    each step). No attention, norms, sampling or bookkeeping: what the rollout would cost with every
-    other op free. It is an estimate, not a bound: another GEMM could be faster, and generate()
-    prefills all B x G rows where ours prefills each prompt once, so ``floor_ratio`` includes that
-    saving (bench/tests/test_rollout_floor.py checks the FLOPs equal our engine's)."""
+    MKL's packed GEMM as the fused step runs them (`gemm` "mkl"; packed outside the timed calls, the
+    same inputs each step) or on oneDNN's (`gemm` "onednn", :class:`OneDNNWeight`). No attention,
+    norms, sampling or bookkeeping: what the rollout would cost with every other op free. It is an
+    estimate, not a bound: generate() prefills all B x G rows where ours prefills each prompt once,
+    so ``floor_ratio`` includes that saving (bench/tests/test_rollout_floor.py checks the FLOPs equal
+    our engine's). ``floor_ratio_onednn`` is the same with the faster GEMM at these shapes."""
     from pipeline.model.fused_decode import _Layer, _Linear  # the fused step's own fused, packed weights
 
+    def on(f: _Linear, n: int):
+        return f if gemm == "mkl" else OneDNNWeight(f.weight, f.bias, n)
+
     def layer_linears(n: int):  # every layer's weights, packed for n-row calls as the fused step packs them
-        fns = [f for layer in llama.model.layers for L in [_Layer(layer, n)] for f in (L.qkv, L.o, L.gate_up, L.down)]
+        fns = [on(f, n) for layer in llama.model.layers for L in [_Layer(layer, n)]
+               for f in (L.qkv, L.o, L.gate_up, L.down)]
         xs = {f.weight.shape[1]: torch.randn(n, f.weight.shape[1]) for f in fns}
         return lambda: [f(xs[f.weight.shape[1]]) for f in fns]
 
     def head_linear(n: int):
-        head = _Linear(llama.lm_head.weight, llama.lm_head.bias, n)
+        head = on(_Linear(llama.lm_head.weight, llama.lm_head.bias, n), n)
         x = torch.randn(n, head.weight.shape[1])
         return lambda: head(x)
 
@@ -262,12 +301,18 @@ def main() -> None:
             "ours_hf_module_step": ours(module_step),
             "weight_matmuls_only": weight_matmuls_only(llama, args.prompts, args.prompt_len,
                                                        args.prompts * args.group, args.new_tokens)}
+    onednn = onednn_linear_available()
+    if onednn:
+        runs["weight_matmuls_only_onednn"] = weight_matmuls_only(llama, args.prompts, args.prompt_len,
+                                                                 args.prompts * args.group, args.new_tokens, "onednn")
     if args.bf16:
         runs |= {"ours_hf_bf16": ours(variant(None, "bfloat16")), "hf_generate_bf16": hf_generate(dtype=torch.bfloat16),
                  "ours_hf_module_step_bf16": ours(variant(module_decoder, "bfloat16"))}
     if args.levers:
         runs |= {"ours_hf_static_cache": ours(variant(lambda max_len: HFDecoder(llama, max_len, shared_prefix=False))),
                  "ours_hf_unpacked": unpacked(ours(hf_policy)), "ours_gpt_unpacked": unpacked(ours(gpt_policy))}
+        if onednn:
+            runs["ours_hf_onednn"] = on_onednn(ours(hf_policy))
     print(machine_line(args.threads))
     times = alternate(runs, args.repeats)
     ops = {"ours_hf_llama": ops_per_step(lambda n: ours(hf_policy, n)),
@@ -291,6 +336,9 @@ def main() -> None:
              "fused_step_speedup": ("ours_hf_module_step", "ours_hf_llama"),
              "floor_ratio": ("hf_generate", "weight_matmuls_only"),
              "ours_over_floor": ("ours_hf_llama", "weight_matmuls_only")}
+    if onednn:
+        pairs |= {"floor_ratio_onednn": ("hf_generate", "weight_matmuls_only_onednn"),
+                  "onednn_floor_speedup": ("weight_matmuls_only", "weight_matmuls_only_onednn")}
     if args.bf16:
         pairs |= {"ratio_bf16": ("hf_generate_bf16", "ours_hf_bf16"), "bf16_speedup": ("ours_hf_llama", "ours_hf_bf16"),
                   "ratio_module_step_bf16": ("hf_generate_bf16", "ours_hf_module_step_bf16")}
@@ -298,6 +346,9 @@ def main() -> None:
         pairs |= {"shared_prefix_speedup": ("ours_hf_static_cache", "ours_hf_llama"),
                   "packed_linear_speedup_hf": ("ours_hf_unpacked", "ours_hf_llama"),
                   "packed_linear_speedup_gpt": ("ours_gpt_unpacked", "ours_gpt")}
+        if onednn:
+            pairs |= {"ratio_onednn": ("hf_generate", "ours_hf_onednn"),
+                      "onednn_linear_speedup": ("ours_hf_llama", "ours_hf_onednn")}
     result = {"ours_tok_s": round(n_tokens / median(times["ours_hf_llama"]), 1),
               "hf_generate_tok_s": round(n_tokens / median(times["hf_generate"]), 1)}
     for key, (slow, fast) in pairs.items():

@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.rollout import build, weight_matmuls_only
+from bench.common import onednn_linear_available
+from bench.rollout import build, on_onednn, weight_matmuls_only
 from pipeline.rollout import rollout_prompts
 
 
 class _LinearFlops(TorchDispatchMode):
-    """FLOPs of the weight matmuls dispatched: MKL's packed linear, and the mm/addmm a plain linear
-    becomes (attention's batched matmuls are bmm/baddbmm, not counted)."""
+    """FLOPs of the weight matmuls dispatched: MKL's packed linear, oneDNN's, and the mm/addmm a
+    plain linear becomes (attention's batched matmuls are bmm/baddbmm, not counted)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -24,6 +25,9 @@ class _LinearFlops(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name == "_mkl_linear":
             x, w = args[0], args[2]  # (..., K) input, (N, K) original weight
+            self.flops += 2 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
+        elif name == "_linear_pointwise":
+            x, w = args[0], args[1]  # (..., K) input, (N, K) weight in oneDNN's packed layout
             self.flops += 2 * (x.numel() // x.shape[-1]) * w.shape[0] * w.shape[1]
         elif name in ("mm", "addmm"):
             a, b = args[-2], args[-1]
@@ -58,6 +62,9 @@ def test_the_floor_does_the_rollouts_weight_matmuls_and_nothing_else():
     head = llama.lm_head.weight.numel()
     expected = 2 * (prompts * prompt_len * per_layer + prompts * head + (new - 1) * prompts * group * (per_layer + head))
     assert got == floor == expected
+    if onednn_linear_available():  # the oneDNN floor and lever arm: the same matmuls on the other GEMM
+        assert _flops(weight_matmuls_only(llama, prompts, prompt_len, prompts * group, new, "onednn")) == expected
+        assert _flops(on_onednn(ours)) == expected
 
 
 @pytest.mark.slow
