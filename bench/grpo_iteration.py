@@ -31,7 +31,7 @@ GPU's datasheet dense bf16 peak where known (H100/H200 SXM: 989.4 TFLOP/s) and
 
     .venv/bin/python bench/grpo_iteration.py [--params params.yaml] [--set grpo.group_size=16 ...]
         [--gsm8k PATH] [--threads 1] [--iters 1] [--stage grpo|warmup] [--ab-full-logits] [--ab-shared-prompt]
-        [--ab-recompute-old]
+        [--ab-recompute-old] [--ab-onednn]
 
 The last line printed is a JSON object.
 """
@@ -101,6 +101,22 @@ def _twin_recomputing_old(cfg, stage: str):
     return iteration
 
 
+def _twin_on_onednn(cfg, stage: str):
+    """One iteration of a second set-up (same seeds) whose fp32 linear layers (the rollout's packed
+    weights, the log-prob passes, the update's forward and input gradients) run on oneDNN's GEMM
+    instead of MKL's (``bench.onednn``): another order of float sums, so a lever, not the pipeline."""
+    from onednn import onednn_linears
+
+    twin = GRPOIterations(cfg, stage)
+
+    def iteration():
+        with onednn_linears() as on:
+            if not on:
+                raise SystemExit("--ab-onednn: this torch build has no oneDNN linear")
+            return twin.iteration()
+    return iteration
+
+
 def _twin(cfg, stage: str, patch):
     """One iteration of a second set-up (same seeds, so the same prompts and widths) whose
     policies' `token_logprobs` is replaced by `patch(original)`."""
@@ -132,6 +148,9 @@ def main() -> None:
                     help="also time a twin trainer that recomputes the old log-probs with a forward pass instead "
                          "of taking the rollout's recorded ones (matters with several optimizer steps per "
                          "iteration: --stage warmup, or minibatch_groups / grpo_epochs), alternating")
+    ap.add_argument("--ab-onednn", action="store_true",
+                    help="also time a twin trainer whose fp32 linear layers run on oneDNN's GEMM instead of MKL's "
+                         "(bench/onednn.py: another order of float sums, not the pipeline's kernel), alternating")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -192,6 +211,8 @@ def main() -> None:
             runs["per_row_prompts"] = _twin(cfg, args.stage, lambda lp: lambda *a, group_size=1, **k: lp(*a, **k))
         if args.ab_recompute_old:  # the old pass recomputed (the plain path of that lever only)
             runs["recomputed_old"] = _twin_recomputing_old(cfg, args.stage)
+        if args.ab_onednn:
+            runs["onednn"] = _twin_on_onednn(cfg, args.stage)
         all_times = alternate(runs, args.iters)
         times = all_times["iteration"]
         metrics = metrics[1:]  # drop the warm-up
@@ -279,6 +300,12 @@ def main() -> None:
         print(f"A/B: old log-probs recomputed {old_s:.3f}s vs the rollout's recorded ones {wall:.3f}s = "
               f"{old_s / wall:.2f}x; paired {fmt_ratios(ab['recorded_old_pairs'])} ("
               + ", ".join(f"{t:.3f}" for t in all_times["recomputed_old"]) + ")")
+    if args.ab_onednn:
+        dnn_s = statistics.median_low(all_times["onednn"])  # the statistic of `wall`
+        ab.update({"onednn_s": round(dnn_s, 4), "onednn_times": [round(t, 4) for t in all_times["onednn"]],
+                   "onednn_pairs": pair_ratios(all_times, "iteration", "onednn")})
+        print(f"A/B: every fp32 linear on oneDNN {dnn_s:.3f}s vs MKL {wall:.3f}s; paired MKL / oneDNN "
+              f"{fmt_ratios(ab['onednn_pairs'])} (" + ", ".join(f"{t:.3f}" for t in all_times["onednn"]) + ")")
     emit({"bench": "grpo_iteration", "params": args.params, "overrides": args.overrides, "threads": args.threads,
           "seconds_per_iteration": round(wall, 4), "times": [round(t, 4) for t in times],
           "phases_s": {k: round(v, 4) for k, v in phase_s.items()},

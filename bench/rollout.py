@@ -19,7 +19,7 @@ than MKL at these shapes on some CPUs, another order of float sums).
 bf16 kernels: see the ``kernels`` of the first line), and our module-step decoder too
 (``ratio_module_step_bf16``: the path of a model with no fused step, e.g. GPT-2).
 ``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms, and our rollout
-with its packed weights on oneDNN instead of MKL (``ours_hf_onednn``: ``ratio_onednn``,
+with its linear layers on oneDNN instead of MKL (``ours_hf_onednn``, ``bench.onednn``: ``ratio_onednn``,
 ``onednn_linear_speedup``; not the pipeline's kernel, which stays MKL's in fp32).
 
 Also the ops dispatched per decode step of each engine (``ops_per_decode_step``: a rollout of 16
@@ -51,6 +51,7 @@ import torch
 
 from bench.common import (add_decode_workload_args, alternate, count_aten_ops, fmt_ratios, load_avg,
                           machine_line, median, onednn_linear_available, pair_ratios)
+from bench.onednn import OneDNNWeight, onednn_linears
 from pipeline.config import ModelConfig
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.hf import HFDecoder, HFTokenizer
@@ -108,33 +109,13 @@ def build(layers: int, width: int, heads: int):
     return hf_policy, gpt_policy, V
 
 
-class OneDNNWeight:
-    """``x @ weight.T + bias`` on oneDNN's copy of `weight` packed for `rows`-row inputs (what
-    Inductor's CPU weight freezing calls), the same interface as
-    :class:`pipeline.model.packed.PackedWeight` (MKL): the GEMM of the ``onednn`` arms. Any row count
-    runs on the one packed copy. Another order of float sums than MKL's, so not the pipeline's
-    kernel: the arms measure what it would give."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
-        self.weight, self.bias = weight, bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
 def on_onednn(run):
     """`run` (a rollout) with every weight the pipeline packs for MKL (the fused step's and the module
-    path's, ``pipeline.model.packed``) packed for oneDNN instead: the ``ours_hf_onednn`` lever."""
-    import pipeline.model.packed as packed_module
-
+    path's, ``pipeline.model.packed``) packed for oneDNN instead: the ``ours_hf_onednn`` lever
+    (``bench.onednn``)."""
     def wrapped():
-        orig = packed_module.PackedWeight
-        packed_module.PackedWeight = OneDNNWeight
-        try:
+        with onednn_linears():
             run()
-        finally:
-            packed_module.PackedWeight = orig
     return wrapped
 
 
@@ -143,7 +124,7 @@ def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tok
     down weights on the B x Tp prompt tokens, the LM head on the B last ones) and each decode step's
     (the same weights and the head on all N rows, for the new_tokens - 1 steps after the prefill), on
     MKL's packed GEMM as the fused step runs them (`gemm` "mkl"; packed outside the timed calls, the
-    same inputs each step) or on oneDNN's (`gemm` "onednn", :class:`OneDNNWeight`). No attention,
+    same inputs each step) or on oneDNN's (`gemm` "onednn", :class:`bench.onednn.OneDNNWeight`). No attention,
     norms, sampling or bookkeeping: what the rollout would cost with every other op free. It is an
     estimate, not a bound: generate() prefills all B x G rows where ours prefills each prompt once,
     so ``floor_ratio`` includes that saving (bench/tests/test_rollout_floor.py checks the FLOPs equal

@@ -1,0 +1,87 @@
+"""oneDNN's fp32 GEMM as a lever the benches can measure: the same linear layers on weights packed for
+oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's CPU
+weight freezing calls) instead of MKL's GEMM, which the pipeline's fp32 matmuls use. Another order
+of float sums, so not the pipeline's kernel: `bench/rollout.py --levers` (``ours_hf_onednn``) and
+`bench/grpo_iteration.py --ab-onednn` time what it would give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import onednn_linear_available
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias on oneDNN, the weight packed for this call's row count."""
+    rows = x.numel() // x.shape[-1]
+    return torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, rows), bias,
+                                              "none", [], "")
+
+
+class OneDNNWeight:
+    """``x @ weight.T + bias`` on oneDNN's copy of `weight` packed once for `rows`-row inputs: the
+    interface of :class:`pipeline.model.packed.PackedWeight` (MKL). Any row count runs on the one
+    packed copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """A linear layer with grad: the forward and the input's gradient (grad @ weight, on the
+    transposed weight packed for the call) on oneDNN, the weight's (grad.T @ x) and bias's as
+    autograd's own ``mm`` and ``sum``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear(x, weight.detach(), None if bias is None else bias.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = _linear(grad, weight.t().contiguous(), None) if ctx.needs_input_grad[0] else None
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_w = g2.t() @ x2 if ctx.needs_input_grad[1] else None
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def _patched_linear(original):
+    def linear(x, weight, bias=None):
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2
+                or torch.is_autocast_enabled("cpu") or x.numel() == 0):
+            return original(x, weight, bias)
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            return _OneDNNLinear.apply(x, weight, bias)
+        return _linear(x, weight, bias)
+    return linear
+
+
+@contextlib.contextmanager
+def onednn_linears() -> Iterator[bool]:
+    """Within the block every fp32 CPU ``F.linear`` (the pipeline's linear layers, forward and
+    backward) and every weight the pipeline packs for MKL (``pipeline.model.packed``: the rollout's)
+    run on oneDNN. Yields False, changing nothing, where this torch build has no oneDNN linear."""
+    import pipeline.model.packed as packed_module
+
+    if not onednn_linear_available():
+        yield False
+        return
+    original, packed_weight = F.linear, packed_module.PackedWeight
+    F.linear, packed_module.PackedWeight = _patched_linear(original), OneDNNWeight
+    try:
+        yield True
+    finally:
+        F.linear, packed_module.PackedWeight = original, packed_weight
