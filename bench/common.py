@@ -125,19 +125,6 @@ def add_decode_workload_args(ap) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
 
 
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's pre-packed linear (what Inductor's CPU weight freezing
-    calls): ``torch.ops.mkldnn._reorder_linear_weight`` and ``_linear_pointwise``."""
-    import torch
-
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        return callable(torch.ops.mkldnn._reorder_linear_weight) and callable(torch.ops.mkldnn._linear_pointwise)
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def _best_of(fn, repeats: int, sync) -> float:
     fn()
     sync()
@@ -157,10 +144,12 @@ def gemms(a, b) -> dict:
     callable returning the product."""
     import torch
 
+    from bench.onednn import OneDNNWeight, onednn_linear_available
+
     out = {"mm": lambda: torch.mm(a, b)}
     if a.device.type == "cpu" and onednn_linear_available():
-        w = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), a.shape[0])
-        out["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+        w = OneDNNWeight(b.t().contiguous(), None, a.shape[0])
+        out["onednn"] = lambda: w(a)
     return out
 
 

@@ -20,7 +20,8 @@ log-prob passes):
 The peak on CPU is the best of the matmul shapes the iteration itself runs (every weight at the
 prefill's, the decode steps' and the log-prob/update passes' row counts, ``bench.common.ShapePeak``),
 by the fastest GEMM this torch build has for the shape (MKL's ``mm`` or oneDNN's pre-packed linear:
-the best the hardware shows, whichever library the iteration itself calls), at the same thread count, measured after every iteration, interleaved with them, the best over all
+the best the hardware shows, whichever library the iteration itself calls), at the same thread count,
+measured after every iteration, interleaved with them, the best over all
 (a square 2048^3 ``torch.mm`` measured once is printed beside it: it is not this model's shape and
 collapses under load). Where the CPU has bf16 matmul kernels (AVX512-BF16 / AMX) the bf16 peak of
 the same shapes is reported too. On CUDA (``model.device`` auto or

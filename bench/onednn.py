@@ -13,14 +13,16 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from bench.common import onednn_linear_available
 
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias on oneDNN, the weight packed for this call's row count."""
-    rows = x.numel() // x.shape[-1]
-    return torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, rows), bias,
-                                              "none", [], "")
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's pre-packed linear: ``torch.ops.mkldnn._reorder_linear_weight``
+    and ``_linear_pointwise``."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return callable(torch.ops.mkldnn._reorder_linear_weight) and callable(torch.ops.mkldnn._linear_pointwise)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class OneDNNWeight:
@@ -34,6 +36,11 @@ class OneDNNWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias on oneDNN, the weight packed for this call's row count."""
+    return OneDNNWeight(weight, bias, x.numel() // x.shape[-1])(x)
 
 
 class _OneDNNLinear(torch.autograd.Function):

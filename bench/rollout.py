@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.common import (add_decode_workload_args, alternate, count_aten_ops, fmt_ratios, load_avg,
-                          machine_line, median, onednn_linear_available, pair_ratios)
-from bench.onednn import OneDNNWeight, onednn_linears
+                          machine_line, median, pair_ratios)
+from bench.onednn import OneDNNWeight, onednn_linear_available, onednn_linears
 from pipeline.config import ModelConfig
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.hf import HFDecoder, HFTokenizer
@@ -110,9 +110,9 @@ def build(layers: int, width: int, heads: int):
 
 
 def on_onednn(run):
-    """`run` (a rollout) with every weight the pipeline packs for MKL (the fused step's and the module
-    path's, ``pipeline.model.packed``) packed for oneDNN instead: the ``ours_hf_onednn`` lever
-    (``bench.onednn``)."""
+    """`run` (a rollout) with every fp32 linear layer on oneDNN instead of MKL (the weights the fused step
+    and the module path pack, ``pipeline.model.packed``, and any plain ``F.linear``): the
+    ``ours_hf_onednn`` lever (:func:`bench.onednn.onednn_linears`)."""
     def wrapped():
         with onednn_linears():
             run()

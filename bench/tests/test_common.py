@@ -35,7 +35,8 @@ def test_shape_peak_takes_the_fastest_gemm_of_any_shape(monkeypatch):
 def test_every_gemm_timed_computes_the_product():
     """Each library the peak times multiplies the same operands (oneDNN's on the packed transpose):
     against a float64 product, and oneDNN timed wherever this torch build has it."""
-    from bench.common import gemms, onednn_linear_available
+    from bench.common import gemms
+    from bench.onednn import onednn_linear_available
 
     a, b = torch.randn(24, 40), torch.randn(40, 56)
     ref = (a.double() @ b.double()).float()

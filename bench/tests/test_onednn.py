@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipeline.model.packed as packed_module
-from bench.common import onednn_linear_available
-from bench.onednn import OneDNNWeight, onednn_linears
+from bench.onednn import OneDNNWeight, onednn_linear_available, onednn_linears
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="no oneDNN linear in this torch build")
 

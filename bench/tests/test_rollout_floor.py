@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.common import onednn_linear_available
+from bench.onednn import onednn_linear_available
 from bench.rollout import build, on_onednn, weight_matmuls_only
 from pipeline.rollout import rollout_prompts
 
