@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,21 +104,36 @@ def _value(tree: dict, dotted: str):
     return tree
 
 
+def committed(path: str) -> bytes:
+    """`path` as committed at git HEAD of REPO: the committed results, not what a run in this checkout
+    rewrote (`make run` on another CPU class rewrites metrics/, plots/ and dvc.lock, as DVC does).
+    Skips where REPO is not the top of a git checkout with a commit (an unpacked archive)."""
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True)
+        head = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=REPO, capture_output=True)
+    except FileNotFoundError:
+        pytest.skip("git is not installed: the committed results are read from git HEAD")
+    if top.returncode or Path(top.stdout.strip()).resolve() != REPO.resolve() or head.returncode:
+        pytest.skip(f"{REPO} is not a git checkout with a commit: the committed results are read from git HEAD")
+    return subprocess.run(["git", "show", f"HEAD:{path}"], cwd=REPO, capture_output=True, check=True).stdout
+
+
 def test_the_committed_results_are_those_of_the_committed_params():
     """dvc.lock, metrics/ and the plot series on main come from one default run of params.yaml (so `dvc
     metrics diff` and `dvc exp show` compare against HEAD): every stage is locked with params.yaml's
     values, each metric and plot file DVC records is the one committed (md5), and metrics/eval.json
-    holds every checkpoint the evaluate stage scores, the control beside the warmup."""
+    holds every checkpoint the evaluate stage scores, the control beside the warmup. Every file is read
+    as committed at HEAD (`committed`), never from the workspace, which a user's run may have rewritten."""
     import hashlib
 
     from ruamel.yaml import YAML
 
     yaml12 = YAML(typ="safe")  # DVC's YAML 1.2 reading: `5e-05` is a number (PyYAML reads a string)
-    lock = yaml12.load((REPO / "dvc.lock").read_text())["stages"]
-    assert set(lock) == set(spec()["stages"])
-    params = yaml12.load((REPO / "params.yaml").read_text())
-    tracked = set(subprocess.run(["git", "ls-files", "metrics", "plots", "dvc.lock"], cwd=REPO, check=True,
-                                 capture_output=True, text=True).stdout.split())
+    lock = yaml12.load(committed("dvc.lock"))["stages"]
+    assert set(lock) == set(yaml.safe_load(committed("dvc.yaml"))["stages"])
+    params = yaml12.load(committed("params.yaml"))
+    tracked = set(subprocess.run(["git", "ls-tree", "-r", "--name-only", "HEAD", "--", "metrics", "plots", "dvc.lock"],
+                                 cwd=REPO, check=True, capture_output=True, text=True).stdout.split())
     recorded = set()
     for name, st in lock.items():
         for key, value in st["params"]["params.yaml"].items():
@@ -126,16 +142,16 @@ def test_the_committed_results_are_those_of_the_committed_params():
             if not out["path"].endswith((".json", ".csv")) or not out["path"].startswith(("metrics/", "plots/")):
                 continue
             recorded.add(out["path"])
-            digest = hashlib.md5((REPO / out["path"]).read_bytes()).hexdigest()
+            digest = hashlib.md5(committed(out["path"])).hexdigest()
             assert digest == out["md5"], f"{out['path']} is not the file dvc.lock records"
     assert recorded == tracked - {"dvc.lock"} and "dvc.lock" in tracked
     assert recorded >= {"metrics/eval.json", "metrics/train.json", *(f"plots/{s}.csv" for s in
                                                                       ("sft", "warmup", "control", "grpo", "accuracy"))}
-    metrics = json.loads((REPO / "metrics" / "eval.json").read_text())
+    metrics = json.loads(committed("metrics/eval.json"))
     assert list(metrics) == list(dict.fromkeys(_value(params, "evaluate.stages")))
     assert {"sft", "control", "warmup", "grpo"} <= set(metrics)
     # the README's "What the default run shows" table is this file
-    readme = (REPO / "README.md").read_text()
+    readme = committed("README.md").decode()
     table = readme[readme.index("## What the default run shows"):].split("\n\n")
     rows = {line.split("|")[1].split()[0]: line for block in table if block.startswith("| checkpoint")
             for line in block.splitlines()[2:]}
@@ -144,6 +160,39 @@ def test_the_committed_results_are_those_of_the_committed_params():
                  f"{100 * m['gsm8k_accuracy']:.2f}% [{100 * m['gsm8k_accuracy_ci95_low']:.2f}, "
                  f"{100 * m['gsm8k_accuracy_ci95_high']:.2f}]", f"{100 * m['gsm8k_format_rate']:.1f}%"]
         assert all(c in rows[stage] for c in cells), f"README row {stage!r} is not metrics/eval.json's: {cells}"
+
+
+def test_the_committed_results_check_holds_after_a_run_rewrote_the_workspace(tmp_path, monkeypatch):
+    """`make run` on another CPU class rewrites metrics/, plots/ and dvc.lock as DVC does (other figures,
+    the lock recording their hashes); the check above is about what is committed, so in such a
+    checkout it still passes, and outside a git checkout it skips, saying why."""
+    import hashlib
+
+    if subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=REPO, capture_output=True).returncode:
+        pytest.skip(f"{REPO} is not a git checkout")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--shared", str(REPO), str(clone)], check=True, env=DVC_ENV)
+    path = clone / "metrics" / "eval.json"
+    before = hashlib.md5(path.read_bytes()).hexdigest()
+    metrics = json.loads(path.read_text())
+    for m in metrics.values():  # the figures of another CPU class's float sums
+        m["arith_accuracy"] = round(m["arith_accuracy"] + 0.005, 4)
+        m["gsm8k_accuracy"] = round(m["gsm8k_accuracy"] + 0.0008, 6)
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    lock = (clone / "dvc.lock").read_text()
+    assert lock.count(before) == 1
+    (clone / "dvc.lock").write_text(lock.replace(before, hashlib.md5(path.read_bytes()).hexdigest()))
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True,
+                          check=True).stdout.split() == ["M", "dvc.lock", "M", "metrics/eval.json"]
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "REPO", clone)
+    test_the_committed_results_are_those_of_the_committed_params()
+
+    plain = tmp_path / "plain"  # the same files, no git
+    shutil.copytree(clone, plain, ignore=shutil.ignore_patterns(".git"))
+    monkeypatch.setattr(module, "REPO", plain)
+    with pytest.raises(pytest.skip.Exception, match="not a git checkout"):
+        test_the_committed_results_are_those_of_the_committed_params()
 
 
 def test_dvc_config_has_analytics_off_and_ignores_bytecode():
