@@ -204,3 +204,39 @@ def test_lora_bf16_update_on_cuda(hf_dirs, tmp_path):
     assert all(torch.equal(after[k], v) for k, v in base.items())
     save_policy(tmp_path / "ckpt", policy)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").dtype == torch.bfloat16
+
+
+def test_grpo_runs_a_lora_policy_with_dropout_off_and_its_reference_is_the_base(hf_dirs, tmp_path, monkeypatch):
+    """A GPT-2 with dropout (0.1 in every layer) under LoRA through the grpo stage's set-up and one
+    iteration: every module stays in eval mode after the rollout and the update, the policy's
+    log-probs are deterministic, and the reference (adapters off) is exactly the frozen base, the
+    reference of a run without LoRA (frozen: a weight that requires grad can take another matmul path)."""
+    from pipeline.config_loading import config_from_dict
+    from pipeline.stages.grpo import TrainState, grpo_iteration, setup
+    from pipeline.rollout import rollout_prompts
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("gsm8k_train", "gsm8k_val"):
+        (tmp_path / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(4)))
+    base = build_policy(tiny_model_config(backend="hf", init=hf_dirs["gpt2"])).eval()
+    assert base.module.config.resid_pdrop > 0 and base.module.config.attn_pdrop > 0
+    for stage in ("sft", "warmup"):
+        save_policy(tmp_path / "checkpoints" / stage, base)
+    lora = dict(LORA, lora_targets=["c_attn"])
+    cfg = config_from_dict({"model": dataclasses.asdict(tiny_model_config(backend="hf", init=hf_dirs["gpt2"], **lora)),
+                            "sft": {"max_len": 64}, "warmup": {"rollout_len": 8},
+                            "grpo": {"iterations": 1, "prompts_per_iter": 2, "group_size": 2, "rollout_len": 6,
+                                     "eval_every": 0, "lr": 1e-2, "kl_coef": 0.1},
+                            "tracking": {"enabled": False}})
+    run = setup(cfg, "grpo")
+    grpo_iteration(run, TrainState(total_iters=1), lambda source: lambda text, gold: float(len(text) % 2))
+    assert not any(m.training for m in run.policy.module.modules())
+    ro = rollout_prompts(run.policy, [r["prompt"] for r in _rows(2)], 2, 6, generator=torch.Generator().manual_seed(0))
+    assert not any(m.training for m in run.policy.module.modules())
+    with torch.no_grad():
+        ids, mask, start = ro.input_ids, ro.attention_mask, ro.prompt_len
+        first = run.policy.token_logprobs(ids, mask, start=start, group_size=2)
+        assert torch.equal(first, run.policy.token_logprobs(ids, mask, start=start, group_size=2))
+        assert torch.equal(run.ref.token_logprobs(ids, mask, start=start, group_size=2),
+                           base.frozen_copy().token_logprobs(ids, mask, start=start, group_size=2))

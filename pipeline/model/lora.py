@@ -40,7 +40,12 @@ def is_lora(module: nn.Module) -> bool:
 
 
 def add_lora(policy, model_cfg: ModelConfig) -> None:
-    """Put LoRA adapters on the policy's (hf) module, in place; the base weights are frozen."""
+    """Put LoRA adapters on the policy's (hf) module, in place; the base weights are frozen.
+
+    The wrapper takes the module's train/eval mode: peft's new modules start in train mode, and a
+    caller that restores "the mode it found" (the rollout) would otherwise switch every dropout of
+    an eval-mode GRPO policy on, its reference (adapters off) included. Under `model.compile` the
+    runner is a compiled wrapper of the adapted module, as it was of the plain one."""
     if policy.backend != "hf":
         raise ValueError("LoRA needs model.backend hf")
     peft = _peft()
@@ -50,8 +55,8 @@ def add_lora(policy, model_cfg: ModelConfig) -> None:
         module = peft.get_peft_model(policy.module, config)
     except ValueError as exc:  # e.g. no module matches the targets
         raise ValueError(f"model.lora_targets = {list(model_cfg.lora_targets)}: {exc}") from None
-    policy.module = module.to(policy.device)
-    policy.runner = policy.module
+    policy.module = module.to(policy.device).train(policy.module.training)
+    policy.runner = torch.compile(policy.module) if policy.model_cfg.compile else policy.module
 
 
 class AdaptersOff:

@@ -233,7 +233,6 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     levels = (row_levels(train_rows, paths.train, f"{stage}.level_sampling")
               if isinstance(conf, WarmupConfig) and conf.level_sampling == "informative" else None)
     eval_rows = fitting_rows(eval_rows, policy, conf.rollout_len, paths.eval, stage)
-    policy.eval()  # GRPO runs the policy without dropout; eval() does not stop gradients
     if cfg.model.gradient_checkpointing and not policy.recompute:
         policy.enable_recompute()
     if cfg.model.lora_rank:  # adapters on the init model; the reference is that model, adapters off
@@ -244,6 +243,7 @@ def setup(cfg: Config, stage: str) -> GRPORun:
         if ref is not None:
             check_reference(paths, policy, ref)
             ref.set_compute_dtype(cfg.model.dtype)
+    policy.eval()  # GRPO runs every module without dropout (LoRA's too); eval() does not stop gradients
     if world > 1:  # compile wraps DDP (not the reverse), so model.compile also holds under torchrun
         ddp = dist_utils.wrap_ddp(policy.module)
         policy.runner = torch.compile(ddp) if cfg.model.compile else ddp
