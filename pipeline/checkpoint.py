@@ -107,6 +107,23 @@ def _load_gpt_weights(module: GPT, path: Path, device) -> None:
 
 ARCH_FIELDS = ("backend", "n_layer", "n_head", "n_embd", "block_size", "positions")  # gpt: the checkpoint decides
 HF_ARCH_FIELDS = ("backend",)
+# how a run computes with the weights, not what they are: always the run's own (see with_run_keys)
+RUNTIME_FIELDS = ("device", "dtype", "compile", "param_dtype", "gradient_checkpointing", "lora_rank", "lora_alpha",
+                  "lora_targets", "num_threads", "cpu_kernels", "dropout")
+
+
+def with_run_keys(saved: ModelConfig, run: ModelConfig | None, path: Path) -> ModelConfig:
+    """The model config a run continues the checkpoint `path` with: the checkpoint's architecture
+    (`saved`; the weights were made with it) and the run's `RUNTIME_FIELDS` (`--set model.compile=true`
+    on a stage that starts from a checkpoint means this run compiles, whatever the run that saved it
+    did). `run` None: the checkpoint's own values. Another backend is refused here, before a model is
+    built: some run-time keys (gradient checkpointing, LoRA) exist for one backend only."""
+    if run is None:
+        return saved
+    if run.backend != saved.backend:
+        raise CheckpointError(f"model.backend = {run.backend!r} in this run's config, but {path} holds a "
+                              f"{saved.backend!r} model; set model.backend = {saved.backend!r}")
+    return dataclasses.replace(saved, **{name: getattr(run, name) for name in RUNTIME_FIELDS})
 
 
 def check_architecture(expected, found, expected_from: str, checkpoint: Path) -> None:
@@ -123,45 +140,50 @@ def check_architecture(expected, found, expected_from: str, checkpoint: Path) ->
                                   f"{checkpoint} with it")
 
 
-def load_policy(folder: str | Path, device: str | torch.device | None = None) -> Policy:
+def load_policy(folder: str | Path, device: str | torch.device | None = None,
+                run: ModelConfig | None = None) -> Policy:
     """Load a policy saved by :func:`save_policy` (either backend), or a plain HF model folder.
 
     A folder with a manifest (every checkpoint the pipeline writes) is verified against it first,
     whatever its backend; a model's size is computed from its config and checked
-    (:func:`check_size`) before anything is built or read. `device` None: `auto` (CUDA if
-    available), not the device of the machine that saved it.
+    (:func:`check_size`) before anything is built or read. `run`: the model config of the run that
+    continues it, whose run-time keys replace the saved ones (:func:`with_run_keys`; its architecture
+    keys are the caller's to check, :func:`check_architecture`). `device` None: `run.device`, else
+    `auto` (CUDA if available), not the device of the machine that saved it.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder not found")
-    device = device if device is not None else "auto"
+    device = device if device is not None else run.device if run is not None else "auto"
     if is_checkpoint(folder):
         verify(folder)
     _check_weight_files(folder)
     if (folder / HF_META).is_file():
-        return _load_hf_policy(folder, device)
+        return _load_hf_policy(folder, device, run)
     meta = _read_json(folder / CONFIG)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{folder / CONFIG}: expected a JSON object")
     if meta.get("format") != FORMAT_GPT:
         if "model_type" in meta:  # a plain HF save_pretrained folder
-            return _load_hf_policy(folder, device)
+            return _load_hf_policy(folder, device, run)
         raise CheckpointError(f"{folder / CONFIG}: neither a grpo-pipeline nor a HF model config")
     if not is_checkpoint(folder):
         verify(folder)  # a pipeline config without its manifest: refused as incomplete
-    return _load_gpt_policy(folder, meta, device)
+    return _load_gpt_policy(folder, meta, device, run)
 
 
-def _load_gpt_policy(folder: Path, meta: dict, device) -> Policy:
+def _load_gpt_policy(folder: Path, meta: dict, device, run: ModelConfig | None = None) -> Policy:
     from pipeline.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(folder)
     except (ValueError, FileNotFoundError) as exc:
         raise CheckpointError(str(exc)) from None
-    model_cfg = _model_config(meta.get("model"), folder / CONFIG)
+    model_cfg = with_run_keys(_model_config(meta.get("model"), folder / CONFIG), run, folder)
     try:
         gpt_cfg = GPTConfig(**meta["gpt"])
+        if run is not None:  # dropout is the run's (it changes no weight)
+            gpt_cfg = dataclasses.replace(gpt_cfg, dropout=model_cfg.dropout)
         check_size(gpt_param_count(gpt_cfg), folder / CONFIG, "the GPT it describes")
         module = GPT(gpt_cfg)
     except (KeyError, TypeError, ValueError) as exc:
@@ -174,7 +196,7 @@ def _load_gpt_policy(folder: Path, meta: dict, device) -> Policy:
     return policy
 
 
-def _load_hf_policy(folder: Path, device) -> Policy:
+def _load_hf_policy(folder: Path, device, run: ModelConfig | None = None) -> Policy:
     from pipeline.model.hf import load_hf
 
     if (folder / HF_META).is_file():
@@ -182,10 +204,10 @@ def _load_hf_policy(folder: Path, device) -> Policy:
         model_cfg = _model_config(_read_json(folder / HF_META).get("model"), folder / HF_META)
     else:  # a plain save_pretrained folder
         model_cfg = ModelConfig(backend="hf")
-    model_cfg = dataclasses.replace(model_cfg, backend="hf", init=str(folder))
     check_size(hf_param_count(folder), folder / CONFIG, "the model it describes")
+    model_cfg = with_run_keys(dataclasses.replace(model_cfg, backend="hf", init=str(folder)), run, folder)
     try:
-        module, tokenizer = load_hf(folder, param_dtype(model_cfg))  # the dtype it was trained and saved in
+        module, tokenizer = load_hf(folder, param_dtype(model_cfg))  # the run's weight dtype, else the saved one
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{folder}: cannot load the HF model ({exc})".replace("\n", " ")) from None
     _check_finite(module.state_dict().values(), folder)
@@ -201,7 +223,7 @@ def load_extra_state(folder: str | Path) -> dict | None:
 def init_policy(model_cfg: ModelConfig, tokenizer=None, device: str | torch.device | None = None) -> Policy:
     """Start a stage's policy: load `model_cfg.init` if it is a checkpoint, else :func:`build_policy`."""
     if model_cfg.init and is_checkpoint(model_cfg.init):
-        return load_policy(model_cfg.init, device if device is not None else model_cfg.device)
+        return load_policy(model_cfg.init, device, run=model_cfg)
     if model_cfg.backend == "gpt" and model_cfg.init:
         raise CheckpointError(f"{model_cfg.init}: model.init is not a checkpoint folder (no {MANIFEST})")
     if model_cfg.backend == "hf" and model_cfg.init and (Path(model_cfg.init) / CONFIG).is_file():

@@ -3,6 +3,7 @@ pickle-free resumable training state."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -16,7 +17,7 @@ from pipeline import checkpoint_manifest
 from pipeline.checkpoint import init_policy, load_extra_state, load_policy, save_policy
 from pipeline.checkpoint_state import capture_rng_state, load_training_state, restore_rng_state, save_training_state
 from pipeline.errors import CheckpointError
-from pipeline.model.policy import build_policy
+from pipeline.model.policy import Policy, build_policy
 from tests.conftest import tiny_model_config
 
 
@@ -229,3 +230,58 @@ def test_a_checkpoint_write_removes_the_temporary_folder_of_a_killed_run(gpt_pol
     save_policy(tmp_path / "ck", gpt_policy)
     assert not stale.exists() and live.exists()
     load_policy(tmp_path / "ck")
+
+
+# ----------------------------------------------------------------------- run-time keys of a stage's start
+
+def _grpo_inputs(folder: Path, init: Policy) -> None:
+    """data/gsm8k_{train,val}.jsonl and checkpoints/{sft,warmup} (= `init`) under `folder`, for the grpo stage."""
+    rows = [{"id": f"g{i}", "source": "gsm8k", "question": f"What is {i} + 2?", "gold": float(i + 2),
+             "prompt": f"Question: {i} + 2?\nAnswer:", "solution": f"<answer>{i + 2}</answer>", "level": 0}
+            for i in range(4)]
+    (folder / "data").mkdir()
+    for name in ("gsm8k_train", "gsm8k_val"):
+        (folder / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for stage in ("sft", "warmup"):
+        save_policy(folder / "checkpoints" / stage, init)
+
+
+@pytest.mark.parametrize("saved_recompute", [False, True])
+def test_a_stage_takes_run_time_keys_from_its_run_and_the_architecture_from_its_checkpoint(
+        saved_recompute, hf_dirs, tmp_path, monkeypatch):
+    """`python -m pipeline grpo --set model.compile=true` (and gradient_checkpointing, param_dtype, dtype) is
+    in effect for a stage that starts from a checkpoint saved with other values; the reference follows
+    the run's weight dtype too."""
+    from pipeline.config_loading import config_from_dict
+    from pipeline.stages.grpo import setup
+
+    monkeypatch.chdir(tmp_path)
+    _grpo_inputs(tmp_path, build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"],
+                                                          gradient_checkpointing=saved_recompute)))
+    run_keys = dict(compile=True, gradient_checkpointing=not saved_recompute, param_dtype="bfloat16", dtype="bfloat16")
+    model = tiny_model_config(backend="hf", init=hf_dirs["llama"], **run_keys)
+    cfg = config_from_dict({"model": dataclasses.asdict(model), "sft": {"max_len": 64}, "warmup": {"rollout_len": 8},
+                            "grpo": {"prompts_per_iter": 2, "group_size": 2, "rollout_len": 6, "kl_coef": 0.1},
+                            "tracking": {"enabled": False}})
+    run = setup(cfg, "grpo")
+    policy = run.policy
+    assert getattr(policy.runner, "_orig_mod", None) is policy.module  # compiled (lazily: nothing runs here)
+    assert policy.recompute is not saved_recompute
+    assert {p.dtype for p in policy.parameters()} == {torch.bfloat16} == {p.dtype for p in run.ref.parameters()}
+    assert policy.autocast_dtype == torch.bfloat16
+    assert {k: getattr(policy.model_cfg, k) for k in run_keys} == run_keys
+
+
+def test_load_policy_takes_the_runs_run_time_keys(gpt_policy, tmp_path):
+    """A gpt checkpoint loaded for a run: the architecture is the checkpoint's, dropout and the rest the run's."""
+    folder = save_policy(tmp_path / "sft", gpt_policy)
+    run = tiny_model_config(n_layer=3, dropout=0.25, compile=True, dtype="bfloat16")
+    loaded = load_policy(folder, device="cpu", run=run)
+    assert loaded.module.config.n_layer == gpt_policy.module.config.n_layer == loaded.model_cfg.n_layer == 2
+    assert loaded.module.config.dropout == loaded.model_cfg.dropout == 0.25
+    assert loaded.model_cfg.compile and getattr(loaded.runner, "_orig_mod", None) is loaded.module
+    assert loaded.autocast_dtype == torch.bfloat16 and same_weights(loaded, gpt_policy)
+    with pytest.raises(CheckpointError, match=r"^model.backend = 'hf' in this run's config, but .* holds a 'gpt' model"):
+        load_policy(folder, device="cpu", run=tiny_model_config(backend="hf", gradient_checkpointing=True))
+    # every key is one or the other (`init` is where the checkpoint came from)
+    assert set(ckpt.ARCH_FIELDS) | set(ckpt.RUNTIME_FIELDS) | {"init"} == {f.name for f in dataclasses.fields(run)}

@@ -146,7 +146,7 @@ def _evaluate_checkpoint(cfg: Config, stage: str, folder: Path, data: dict[str, 
 
     e = cfg.evaluate
     k = {task: e.samples if task in e.sample_tasks else 0 for task in data}
-    policy = load_policy(folder, device=cfg.model.device)  # `auto`: CUDA if available
+    policy = load_policy(folder, run=cfg.model)  # this run's device (`auto`: CUDA if available), dtype, ...
     policy.eval()
     per_task = {}
     for task, rows in data.items():

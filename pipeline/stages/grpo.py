@@ -225,24 +225,20 @@ def setup(cfg: Config, stage: str) -> GRPORun:
             raise InputError(f"{p}: checkpoint not found (run the stage that writes it first)")
     train_rows, eval_rows = read_rows(paths.train), read_rows(paths.eval)[: conf.eval_samples]
     torch.manual_seed(conf.seed)
-    policy = load_policy(paths.init, device=cfg.model.device)
+    policy = load_policy(paths.init, run=cfg.model)  # the checkpoint's weights; this run's device, dtype, compile, ...
     check_architecture(cfg.model, policy.model_cfg, "the params", paths.init)
-    policy.set_compute_dtype(cfg.model.dtype)  # model.dtype of this run (bf16 autocast), not the checkpoint's
     dist_utils.use_device(policy.device)  # NCCL collectives need tensors on the GPU
     train_rows = fitting_rows(train_rows, policy, conf.rollout_len, paths.train, stage)
     levels = (row_levels(train_rows, paths.train, f"{stage}.level_sampling")
               if isinstance(conf, WarmupConfig) and conf.level_sampling == "informative" else None)
     eval_rows = fitting_rows(eval_rows, policy, conf.rollout_len, paths.eval, stage)
-    if cfg.model.gradient_checkpointing and not policy.recompute:
-        policy.enable_recompute()
     if cfg.model.lora_rank:  # adapters on the init model; the reference is that model, adapters off
         add_lora(policy, cfg.model)
         ref = AdaptersOff(policy) if conf.kl_coef > 0 else None
     else:
-        ref = load_policy(paths.reference, device=policy.device).frozen_copy() if conf.kl_coef > 0 else None
+        ref = load_policy(paths.reference, policy.device, run=cfg.model).frozen_copy() if conf.kl_coef > 0 else None
         if ref is not None:
             check_reference(paths, policy, ref)
-            ref.set_compute_dtype(cfg.model.dtype)
     policy.eval()  # GRPO runs every module without dropout (LoRA's too); eval() does not stop gradients
     if world > 1:  # compile wraps DDP (not the reverse), so model.compile also holds under torchrun
         ddp = dist_utils.wrap_ddp(policy.module)

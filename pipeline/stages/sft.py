@@ -319,11 +319,8 @@ def start_policy(cfg: Config) -> Policy:
     if not (OUT / "config.json").is_file():
         raise InputError(f"{OUT}: checkpoint not found; the control continues it, so run the sft stage first "
                          "(`python -m pipeline sft`)")
-    policy = load_policy(OUT, device=cfg.model.device)
+    policy = load_policy(OUT, run=cfg.model)  # this run's device, dtype, compile, dropout, ...
     check_architecture(cfg.model, policy.model_cfg, "the params", OUT)
-    policy.set_compute_dtype(cfg.model.dtype)
-    if cfg.model.gradient_checkpointing and not policy.recompute:
-        policy.enable_recompute()
     if cfg.model.lora_rank:  # trained like the warmup it is the baseline of: adapters on the SFT model
         add_lora(policy, cfg.model)
     return policy
