@@ -3,10 +3,11 @@
 ``experiment_copy(root, name, overrides)`` yields a git worktree of ``root`` (``HEAD`` plus the
 workspace's uncommitted state: modified and untracked files, ``dvc.lock``, the metrics and plots)
 that shares ``root``'s DVC cache, so unchanged stages are skipped or checked out, never re-run.
-The overrides are applied to its ``params.yaml`` by DVC's own ``-S`` code (comments kept). The
-caller runs the stages there; on success the result is saved with ``dvc exp save -n <name>``: a
-git worktree shares the repository's refs, so ``dvc exp show`` in ``root`` lists it beside
-experiments made by hand. The worktree is removed either way: ``root`` is left as it was found.
+The overrides are applied to its ``params.yaml`` by DVC's own ``-S`` code (comments kept); a GSM8K
+source DVC cannot hash (a hub id, a missing path) stops there in one line. The caller runs the
+stages there; on success the result is saved with ``dvc exp save -n <name>``: a git worktree shares
+the repository's refs, so ``dvc exp show`` in ``root`` lists it beside experiments made by hand.
+The worktree is removed either way: ``root`` is left as it was found.
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ def apply_overrides(params: Path, overrides: list[str]) -> None:
         raise InputError(f"{params.name}: cannot apply {' '.join(overrides)}: {str(cause).splitlines()[0]}") from None
 
 
+def check_gsm8k_source(work: Path) -> None:
+    """DVC hashes ``data.gsm8k_source`` as the prepare stage's dependency (``dvc.yaml``) and stops on a
+    missing one before the stage starts (``[Errno 2] No such file or directory``); a source that is not
+    a file or folder of ``work`` (a hub id, a mistyped path) is one line here, before any stage."""
+    from pipeline.config_loading import load_config
+
+    source = load_config(work / "params.yaml").data.gsm8k_source
+    if not (work / source).exists():
+        raise InputError(f"data.gsm8k_source = {source!r}: no such file or folder; a run through DVC hashes the "
+                         "GSM8K source as the prepare stage's dependency, so it must be a local copy (a folder with "
+                         "train.jsonl and test.jsonl, or the dataset's Parquet files); a hub id is read only outside "
+                         "DVC (python -m pipeline all --set data.gsm8k_source=ID)")
+
+
 def _copy_workspace_state(root: Path, dst: Path) -> None:
     """Modified and untracked (not ignored) files of ``root`` into ``dst``: the workspace as it is."""
     listed = _run(["git", "ls-files", "-z", "--modified", "--others", "--exclude-standard"], root).stdout
@@ -86,6 +101,7 @@ def experiment_copy(root: str | Path, name: str, overrides: list[str]) -> Iterat
         _share_cache(root, work)
         _run(_dvc("checkout", "--allow-missing"), work, check=False)  # what is cached; the rest re-runs
         apply_overrides(work / "params.yaml", overrides)
+        check_gsm8k_source(work)
         yield work
     finally:
         _run(["git", "worktree", "remove", "--force", str(work)], root, check=False)

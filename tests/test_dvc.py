@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pipeline.config import STAGES, Config
-from tests.conftest import QUIET_ENV, REPO, copy_repo, output_files, smoke_outputs
+from tests.conftest import GSM8K, QUIET_ENV, REPO, copy_repo, output_files, smoke_outputs
 
 BIN = Path(sys.executable).parent
 DVC_ENV = {**os.environ, **QUIET_ENV, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -65,11 +65,22 @@ def _outs(st: dict) -> dict[str, dict]:
     return out
 
 
+def resolved(dep: str, params: dict) -> str:
+    """A dvc.yaml path with DVC's `${section.key}` templating filled in from params.yaml, as DVC does per run."""
+    return re.sub(r"\$\{\s*([^}]+?)\s*\}", lambda m: str(_value(params, m.group(1))), dep)
+
+
 def test_deps_exist_or_come_from_upstream_and_outs_follow_the_layout():
     stages = spec()["stages"]
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    # prepare's GSM8K is the configured source (templated), not a fixed path; the lock records it as DVC
+    # resolves it (`./datasets/gsm8k` by default), so `dvc status` matches it without a re-run
+    assert "${data.gsm8k_source}" in stages["prepare"]["deps"] and "datasets/gsm8k" not in stages["prepare"]["deps"]
+    locked = [d["path"] for d in yaml.safe_load((REPO / "dvc.lock").read_text())["stages"]["prepare"]["deps"]]
+    assert resolved("${data.gsm8k_source}", params) in locked
     produced: set[str] = set()
     for name, st in stages.items():
-        for dep in st["deps"]:
+        for dep in (resolved(d, params) for d in st["deps"]):
             assert dep in produced or (REPO / dep).exists(), f"{name}: dep {dep} neither in the repo nor upstream"
         code = [d for d in st["deps"] if d.startswith("pipeline/")]
         assert code, f"{name} lists no code deps"
@@ -195,6 +206,26 @@ def test_the_committed_results_check_holds_after_a_run_rewrote_the_workspace(tmp
         test_the_committed_results_are_those_of_the_committed_params()
 
 
+def test_a_gsm8k_source_dvc_cannot_hash_is_one_line_before_any_stage(tmp_path):
+    """DVC stops on a missing dependency before prepare starts (`[Errno 2] No such file or directory`), so
+    a flow run's copy checks the configured source first: a path, relative to the copy or absolute, passes;
+    a hub id or a missing path is one line naming the key and saying that hub ids are read outside DVC."""
+    from flows.experiment import apply_overrides, check_gsm8k_source
+    from pipeline.errors import InputError
+
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    (tmp_path / "datasets" / "gsm8k").mkdir(parents=True)
+    check_gsm8k_source(tmp_path)  # the default, ./datasets/gsm8k of the copy
+    for source in ("openai/gsm8k", str(tmp_path / "missing")):
+        apply_overrides(params, [f"data.gsm8k_source={source}"])
+        with pytest.raises(InputError, match=rf"^data.gsm8k_source = {re.escape(repr(source))}: no such file or "
+                                             r"folder; .*a hub id is read only outside DVC \(python -m pipeline all"):
+            check_gsm8k_source(tmp_path)
+    apply_overrides(params, [f"data.gsm8k_source={GSM8K}"])
+    check_gsm8k_source(tmp_path)
+
+
 def test_dvc_config_has_analytics_off_and_ignores_bytecode():
     assert "analytics = false" in (REPO / ".dvc" / "config").read_text()
     assert "__pycache__/" in (REPO / ".dvcignore").read_text()
@@ -214,6 +245,31 @@ def test_repro_prepare_then_nothing_to_do(tmp_path):
     second = sh(repo, "dvc", "repro", "prepare")
     assert ran(second) == [] and "up to date" in second.stdout
     assert "changed" not in sh(repo, "dvc", "status", "prepare").stdout
+
+
+@pytest.mark.slow
+def test_prepare_depends_on_the_configured_gsm8k_source(tmp_path):
+    """prepare's GSM8K dependency is the configured `data.gsm8k_source` (dvc.yaml templates it from
+    params.yaml), not the committed datasets/gsm8k: removing 10 of the 80 train rows of the configured
+    copy makes prepare stale, and the lock records that copy."""
+    from flows.experiment import apply_overrides
+
+    source = tmp_path / "gsm8k"
+    shutil.copytree(GSM8K, source)
+    repo = copy_repo(tmp_path / "repo")
+    apply_overrides(repo / "params.yaml", [f"data.gsm8k_source={source}"])
+    sh(repo, "git", "commit", "-qam", "GSM8K from a copy outside the repo")
+    assert ran(sh(repo, "dvc", "repro", "prepare")) == ["prepare"]
+    assert "changed" not in sh(repo, "dvc", "status", "prepare").stdout
+
+    train = source / "train.jsonl"
+    rows = train.read_text().splitlines(keepends=True)
+    assert len(rows) == 80
+    train.write_text("".join(rows[:70]))
+    status = sh(repo, "dvc", "status", "prepare").stdout
+    assert "changed deps" in status and f"modified:           {source}" in status, status
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["prepare"]
+    assert str(source) in [d["path"] for d in lock["deps"]] and "datasets/gsm8k" not in str(lock["deps"])
 
 
 # --------------------------------------------------------------------------- whole pipeline (~2 min; in CI)

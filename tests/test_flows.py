@@ -8,6 +8,7 @@ writes the same files as the CLI/DVC stages.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -354,9 +355,10 @@ def test_failed_stage_fails_the_flow_closes_its_parent_and_saves_no_experiment(t
     monkeypatch.chdir(repo)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     params = (repo / "params.yaml").read_bytes()
-    state = settled_state(grpo_pipeline(overrides=[f"data.gsm8k_source={tmp_path / 'missing'}"], return_state=True))
+    (tmp_path / "empty").mkdir()  # a folder without GSM8K's files (a missing one DVC refuses: below)
+    state = settled_state(grpo_pipeline(overrides=[f"data.gsm8k_source={tmp_path / 'empty'}"], return_state=True))
     assert state.is_failed(), state
-    with pytest.raises(InputError, match=r"^prepare: .*missing"):
+    with pytest.raises(InputError, match=r"^prepare: .*empty: expected train and test files"):
         state.result()
     runs = by_stage(task_runs_of(state.state_details.flow_run_id, expect={"prepare"}))
     assert runs["prepare"].state.is_failed() and runs["prepare"].run_count == 1  # bad input: not retried
@@ -369,3 +371,9 @@ def test_failed_stage_fails_the_flow_closes_its_parent_and_saves_no_experiment(t
     assert (repo / "params.yaml").read_bytes() == params and not (repo / "data").exists()
     assert not [e for row in json.loads(sh(repo, "dvc", "exp", "show", "--json")) for e in row.get("experiments") or []]
     assert len(sh(repo, "git", "worktree", "list").splitlines()) == 1
+    # a source DVC cannot hash as prepare's dependency (a hub id, a missing path) stops before any stage
+    for source in ("openai/gsm8k", tmp_path / "missing"):
+        quoted = re.escape(repr(str(source)))
+        with pytest.raises(InputError, match=rf"^data.gsm8k_source = {quoted}: no such file or folder; .*outside DVC"):
+            grpo_pipeline(overrides=[f"data.gsm8k_source={source}"])
+    assert len(sh(repo, "git", "worktree", "list").splitlines()) == 1 and not (repo / "data").exists()
