@@ -3,7 +3,8 @@
 ``rollout_prompts`` encodes each prompt once, left-pads the batch, runs ONE prefill of the B
 distinct prompts, repeats the cache G times (group-contiguous rows ``i*G .. i*G+G-1``), then
 decodes all N = B*G rows together, one token per step, from the cache. Stop detection is
-vectorised (a row is done after end-of-text or `</answer>`); the loop ends when every row is done
+vectorised (a row is done after any of ``policy.stop_ids``: end-of-text, a HF model's end-of-turn
+ids from its generation_config, `</answer>`); the loop ends when every row is done
 or after `max_new_tokens`. Every `COMPACT_EVERY` steps, once the finished rows are a quarter of
 the rows still decoding, they leave the decoder's cache: completions vary in length, and about half
 of a fixed batch's row-steps would otherwise go to rows that have already answered. With one row
@@ -51,7 +52,7 @@ class Rollout:
     logprobs: torch.Tensor
     """(N, T) float32 sampling log-probs of the response tokens, 0 elsewhere."""
     texts: list[str]
-    """Decoded responses (up to and including `</answer>`; no pad/eos)."""
+    """Decoded responses (up to and including `</answer>`; no pad, eos or end-of-turn token)."""
     response_lengths: torch.Tensor
     """(N,) long: response tokens, stop token included."""
     truncated: torch.Tensor

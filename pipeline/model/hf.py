@@ -33,8 +33,14 @@ class HFTokenizer:
         if tok.eos_token_id is None:
             raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', '')!r} has no eos token")
         self.eos_id = int(tok.eos_token_id)
+        self.eos_ids = [self.eos_id]  # with a model's end-of-turn ids (add_eos_ids): what ends a completion
         self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(tok)
+
+    def add_eos_ids(self, ids: Iterable[int]) -> None:
+        """Also end a completion at `ids` (a model's generation_config eos ids: an instruct model's
+        end-of-turn tokens), and strip them in `decode` like eos."""
+        self.eos_ids += [int(i) for i in ids if int(i) not in self.eos_ids]
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
@@ -45,8 +51,10 @@ class HFTokenizer:
         return self.hf(texts, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: Iterable[int]) -> str:
-        ids = [int(i) for i in ids if i != self.pad_id and i != self.eos_id]
-        return self.hf.decode(ids, skip_special_tokens=False)
+        """The text of `ids` without pads and stop tokens (eos, end-of-turn), which end a response
+        but are no part of its text."""
+        drop = {self.pad_id, *self.eos_ids}
+        return self.hf.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
 
     def chat_prompt(self, user: str, system: str = "") -> str:
         """`user` as the user turn (after a `system` turn if given), rendered with the tokenizer's chat
@@ -92,6 +100,16 @@ def load_hf(init: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Mo
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(init), dtype=dtype)
     return model, load_hf_tokenizer(init)
+
+
+def generation_eos_ids(model: nn.Module) -> list[int]:
+    """The eos ids of `model`'s generation_config (an int, a list or None): the tokens an instruct model
+    ends its turn with (`<|im_end|>`, `<|eot_id|>`), often not its tokenizer's eos. Saved with the
+    model (``generation_config.json``), so a trained checkpoint keeps them."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(i) for i in ([eos] if isinstance(eos, int) else eos)]
 
 
 class _TanhGELU(nn.Module):

@@ -78,10 +78,11 @@ class Policy:
         if self.backend == "gpt":
             self._ops = GPTOps
         else:
-            from pipeline.model.hf import HFOps, fuse_activations
+            from pipeline.model.hf import HFOps, fuse_activations, generation_eos_ids
 
             self._ops = HFOps
             fuse_activations(self.module)  # GPT-2's GELU as one op (a fast path: the formula under plain())
+            self.tokenizer.add_eos_ids(generation_eos_ids(self.module))  # an instruct model's end-of-turn ids
         if model_cfg.gradient_checkpointing:
             self.enable_recompute()
 
@@ -178,8 +179,9 @@ class Policy:
 
     @property
     def stop_ids(self) -> list[int]:
-        """Token ids that end a completion: end-of-text, and `</answer>` if it is one token."""
-        ids = [self.tokenizer.eos_id]
+        """Token ids that end a completion: end-of-text (hf: also the eos ids of the model's
+        generation_config, an instruct model's end-of-turn tokens), and `</answer>` if it is one token."""
+        ids = list(getattr(self.tokenizer, "eos_ids", [self.tokenizer.eos_id]))
         close = self.tokenizer.token_id(ANSWER_CLOSE) if hasattr(self.tokenizer, "token_id") else None
         if close is not None and close not in ids:
             ids.append(close)
