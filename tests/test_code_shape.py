@@ -25,7 +25,7 @@ LAYERS = [
     ["checkpoint_state", "tracking.mlflow_backend"],
     ["tracking", "tracking.compare"],
     ["generation", "group_sampling", "resume"],
-    ["stages.prepare", "stages.sft", "stages.grpo", "stages.evaluate"],
+    ["stages.prepare", "stages.sft", "stages.grpo", "stages.evaluate", "fetch_model"],
     ["stages"],
     ["__main__"],
 ]
@@ -154,15 +154,25 @@ def _closure(module: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("stage", ["prepare", "sft", "warmup", "control", "grpo", "evaluate"])
-def test_dvc_deps_cover_the_code_each_stage_runs(stage):
-    """Every pipeline module a stage imports (transitively) is a dep of its DVC stage, so editing
-    it re-runs the stage; observability-only modules are left out on purpose."""
+STAGE_MODULES = {"warmup": "stages.grpo", "control": "stages.sft", "model": "fetch_model"}
+DVC_FILES = {"dvc.yaml": ["prepare", "sft", "warmup", "control", "grpo", "evaluate"],
+             "recipes/smollm2/dvc.yaml": ["model", "prepare", "sft", "warmup", "grpo", "evaluate"]}
+
+
+@pytest.mark.parametrize("dvcfile,stage", [(f, s) for f, stages in DVC_FILES.items() for s in stages])
+def test_dvc_deps_cover_the_code_each_stage_runs(dvcfile, stage):
+    """Every pipeline module a stage imports (transitively) is a dep of its DVC stage, in the default
+    pipeline and in each recipe's (whose paths are relative to its folder), so editing it re-runs the
+    stage; observability-only modules are left out on purpose."""
+    import os
+
     import yaml
 
-    deps = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]["deps"]
-    code = [d.rstrip("/") for d in deps if d.startswith("pipeline")]
-    module = f"pipeline.stages.{ {'warmup': 'grpo', 'control': 'sft'}.get(stage, stage)}"
+    deps = yaml.safe_load((ROOT / dvcfile).read_text())["stages"][stage]["deps"]
+    folder = (ROOT / dvcfile).parent
+    code = [os.path.relpath(folder / d, ROOT).rstrip("/") for d in deps]
+    code = [d for d in code if d.startswith("pipeline")]
+    module = f"pipeline.{STAGE_MODULES.get(stage, f'stages.{stage}')}"
     missing = []
     for m in sorted(_closure(module) | {module}):
         if m.startswith(NOT_DEPS):
@@ -170,4 +180,4 @@ def test_dvc_deps_cover_the_code_each_stage_runs(stage):
         path = str(MODULES[m].relative_to(ROOT))
         if not any(path == d or path.startswith(d + "/") for d in code):
             missing.append(path)
-    assert not missing, f"dvc.yaml stage {stage} lacks deps {missing}"
+    assert not missing, f"{dvcfile} stage {stage} lacks deps {missing}"
