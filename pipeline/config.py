@@ -329,6 +329,15 @@ class EvalConfig:
     jobs: int = 0
     """Processes scoring checkpoints at once, each with `model.num_threads` threads (the figures do not
     change); 0 = auto: on CPU one per `model.num_threads` cores, at most one per checkpoint; on CUDA 1."""
+    fewshot_stages: list[str] = field(default_factory=list)
+    """Checkpoints also scored with `fewshot_examples` worked examples before each question (reported as
+    `<stage>_fewshot`): a pretrained model's prompted baseline, which training must beat."""
+    fewshot_examples: int = 4
+    """Worked examples of a few-shot prompt: the first N rows of the task's training file (arithmetic or
+    GSM8K train), as earlier user and assistant turns under the chat template, else as text."""
+    per_level: bool = False
+    """Also report held-out arithmetic accuracy per curriculum level (`arith_level<N>_accuracy`, with its
+    95% interval)."""
 
 
 @dataclass

@@ -117,6 +117,9 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("evaluate.top_p", 0.0 < e.top_p <= 1.0, "a number in (0, 1]"),
         ("evaluate.stages", bool(e.stages) and all(x in EVAL_STAGES for x in e.stages),
          f"a non-empty list drawn from {', '.join(EVAL_STAGES)}"),
+        ("evaluate.fewshot_stages", all(x in EVAL_STAGES for x in e.fewshot_stages),
+         f"a list drawn from {', '.join(EVAL_STAGES)}"),
+        ("evaluate.fewshot_examples", 1 <= e.fewshot_examples <= 16, "an integer in [1, 16]"),
         ("tracking.experiment", bool(cfg.tracking.experiment.strip()), "a non-empty name"),
         ("tracking.log_model_max_mb", cfg.tracking.log_model_max_mb >= 0, "a number >= 0 (0 = never)"),
     ]

@@ -56,12 +56,16 @@ class HFTokenizer:
         drop = {self.pad_id, *self.eos_ids}
         return self.hf.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
 
-    def chat_prompt(self, user: str, system: str = "") -> str:
-        """`user` as the user turn (after a `system` turn if given), rendered with the tokenizer's chat
-        template with the assistant turn opened: the text the model continues."""
+    def chat_prompt(self, user: str, system: str = "", examples: Iterable[tuple[str, str]] = ()) -> str:
+        """`user` as the user turn (after a `system` turn if given, and after `examples`, earlier
+        (user, assistant) turns of a few-shot prompt), rendered with the tokenizer's chat template
+        with the assistant turn opened: the text the model continues."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError(f"tokenizer {getattr(self.hf, 'name_or_path', '')!r} has no chat template")
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        messages = [{"role": "system", "content": system}] if system else []
+        for question, answer in examples:
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": user})
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def token_id(self, token: str) -> int | None:

@@ -40,6 +40,8 @@ from pipeline.tracking import stage_logger
 log = logging.getLogger(__name__)
 
 TASK_FILES = {"gsm8k": "gsm8k_test.jsonl", "arith": "arith_eval.jsonl"}
+SHOT_FILES = {"gsm8k": "gsm8k_train.jsonl", "arith": "arith_train.jsonl"}  # where few-shot examples come from
+FEWSHOT_SUFFIX = "_fewshot"
 TRAINING_CSVS = ("warmup", "grpo")
 SAMPLE_TABLE_ROWS = 5  # per stage and task, in the tracker's table of sample predictions
 
@@ -58,6 +60,50 @@ def load_rows(path: Path, limit: int = 0) -> list[dict[str, Any]]:
     if not rows:
         raise InputError(f"{path}: no rows to evaluate (re-run the 'prepare' stage)")
     return rows
+
+
+def entries(e) -> dict[str, tuple[str, bool]]:
+    """What evaluate scores, in report order: ``{name: (checkpoint stage, few-shot)}``; each few-shot entry
+    (``<stage>_fewshot``) right after its checkpoint's own."""
+    out: dict[str, tuple[str, bool]] = {}
+    for stage in dict.fromkeys([*e.stages, *e.fewshot_stages]):
+        if stage in e.stages:
+            out[stage] = (stage, False)
+        if stage in e.fewshot_stages:
+            out[stage + FEWSHOT_SUFFIX] = (stage, True)
+    return out
+
+
+def load_shots(tasks: Sequence[str], n: int) -> dict[str, list[tuple[str, str]]]:
+    """The few-shot examples of each task: (question, worked solution) of the first `n` rows of its
+    training file, the same for every question (the test rows never appear among them)."""
+    return {task: [(r["question"], r["solution"]) for r in files.read_rows(Path(DATA_DIR) / SHOT_FILES[task], n)]
+            for task in tasks}
+
+
+def fewshot_prompt(question: str, shots: Sequence[tuple[str, str]], tokenizer, cfg: Config) -> str:
+    """`question` after the worked examples `shots`, in the prompt format of training: under the chat
+    template each example is an earlier user turn (the filled `data.prompt_template`) and its assistant
+    answer; without it, each example's prompt and response text, a blank line apart."""
+    from pipeline.data.prompts import format_prompt, response_text
+
+    d = cfg.data
+    if d.chat_template:
+        turns = [(format_prompt(q, d.prompt_template), a) for q, a in shots]
+        return tokenizer.chat_prompt(format_prompt(question, d.prompt_template), d.system_prompt, turns)
+    shown = "".join(format_prompt(q, d.prompt_template) + response_text(a) + "\n\n" for q, a in shots)
+    return shown + format_prompt(question, d.prompt_template)
+
+
+def level_metrics(rows: Sequence[dict[str, Any]], preds: Sequence[dict[str, Any]]) -> dict[str, float | int]:
+    """Held-out arithmetic accuracy per curriculum level, with its 95% interval and count."""
+    out: dict[str, float | int] = {}
+    for level in sorted({int(r.get("level", 0)) for r in rows}):
+        hits = [bool(p["correct"]) for r, p in zip(rows, preds) if int(r.get("level", 0)) == level]
+        low, high = ev.wilson_interval(sum(hits), len(hits))
+        out.update({f"arith_level{level}_accuracy": sum(hits) / len(hits), f"arith_level{level}_ci95_low": low,
+                    f"arith_level{level}_ci95_high": high, f"arith_level{level}_examples": len(hits)})
+    return out
 
 
 def checkpoint_folder(stage: str) -> Path:
@@ -111,9 +157,11 @@ def run_evaluate(cfg: Config) -> dict[str, Any]:
     files.recover_outputs("evaluate")  # a publish a kill interrupted is finished first
     data = {"gsm8k": load_rows(Path(DATA_DIR) / TASK_FILES["gsm8k"], e.gsm8k_limit),
             "arith": load_rows(Path(DATA_DIR) / TASK_FILES["arith"], e.arith_limit)}
-    stages = list(dict.fromkeys(e.stages))
     load_verifier(e.reward, "evaluate.reward")  # a bad spec fails before any generation
-    folders = {s: checkpoint_folder(s) for s in stages}  # fail before any generation
+    # every checkpoint checked before any generation
+    folders = {name: (checkpoint_folder(stage), fewshot) for name, (stage, fewshot) in entries(e).items()}
+    if e.fewshot_stages:
+        data["shots"] = load_shots(list(TASK_FILES), e.fewshot_examples)
     # the logger opens first: an unreachable tracking server fails in seconds, before generation
     with stage_logger(cfg, "evaluate") as tracker:
         metrics, predictions = _evaluate_all(cfg, data, folders)
@@ -139,27 +187,35 @@ def eval_jobs(cfg: Config, checkpoints: int) -> int:
     return max(1, min(cores // cfg.model.num_threads, checkpoints))
 
 
-def _evaluate_checkpoint(cfg: Config, stage: str, folder: Path, data: dict[str, list[dict[str, Any]]],
+def _evaluate_checkpoint(cfg: Config, stage: str, target: tuple[Path, bool], data: dict[str, Any],
                          progress=None) -> tuple[dict[str, float | int], dict[str, list[dict[str, Any]]]]:
-    """(raw metrics, {task: prediction rows}) of one checkpoint."""
+    """(raw metrics, {task: prediction rows}) of one checkpoint, with few-shot prompts when `target` says so."""
     from pipeline.checkpoint import load_policy
 
     e = cfg.evaluate
-    k = {task: e.samples if task in e.sample_tasks else 0 for task in data}
+    folder, fewshot = target
+    tasks = {task: rows for task, rows in data.items() if task in TASK_FILES}
+    k = {task: e.samples if task in e.sample_tasks else 0 for task in tasks}
     policy = load_policy(folder, run=cfg.model)  # this run's device (`auto`: CUDA if available), dtype, ...
     policy.eval()
     per_task = {}
-    for task, rows in data.items():
+    for task, rows in tasks.items():
+        if fewshot:
+            rows = [{**r, "prompt": fewshot_prompt(r["question"], data["shots"][task], policy.tokenizer, cfg)}
+                    for r in rows]
         advance = None
         if progress is not None:
             passes = 1 + (1 if k[task] > 0 else 0)  # greedy, then the sampled groups
             bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes, info="")
             advance = lambda n, bar=bar: progress.advance(bar, n)  # noqa: E731
         per_task[task] = evaluate_task(policy, rows, cfg, samples=k[task], advance=advance)
-    return ev.stage_metrics(per_task, k), per_task
+    metrics = ev.stage_metrics(per_task, k)
+    if e.per_level and "arith" in per_task:
+        metrics.update(level_metrics(tasks["arith"], per_task["arith"]))
+    return metrics, per_task
 
 
-def _worker(cfg: Config, stage: str, folder: Path, data: dict[str, list[dict[str, Any]]]) -> str:
+def _worker(cfg: Config, stage: str, folder: tuple[Path, bool], data: dict[str, Any]) -> str:
     """One checkpoint in a worker process; the result goes back as JSON text (plain data only)."""
     if cfg.model.num_threads > 0:  # what the stage's own process runs under (pipeline.stages.apply_runtime)
         torch.set_num_threads(cfg.model.num_threads)
@@ -167,7 +223,7 @@ def _worker(cfg: Config, stage: str, folder: Path, data: dict[str, list[dict[str
     return json.dumps({"raw": raw, "predictions": per_task})
 
 
-def _evaluate_all(cfg: Config, data: dict[str, list[dict[str, Any]]], folders: dict[str, Path]):
+def _evaluate_all(cfg: Config, data: dict[str, Any], folders: dict[str, tuple[Path, bool]]):
     """(rounded metrics {stage: {metric: value}}, predictions {(stage, task): rows}).
 
     With several jobs, each checkpoint is scored in its own spawned process; every checkpoint's
