@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,11 +33,13 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.experiment import exp_name, experiment_copy, save_experiment
 from pipeline.cli import add_config_args, exit_status
-from pipeline.config import METRICS_DIR, PLOTS_DIR, STAGES, Config
+from pipeline.config import METRICS_DIR, PLOTS_DIR, Config
+from pipeline.errors import InputError
 from pipeline.config_loading import load_config
 from pipeline.evaluation import training_summary
 from pipeline.lock import check_free, workspace_lock
 from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run
+from pipeline.tracking.common import ROOT_ENV
 from tasks.stages import STAGE_TASKS, changed_stages
 
 EVAL_ARTIFACT_KEY = "grpo-eval"
@@ -131,23 +134,36 @@ def publish_stage(cfg: Config, result: dict[str, Any], parent_run_id: str | None
 
 # --------------------------------------------------------------------------- the flow
 
-# Each stage's upstream stages: the stages whose outputs are its deps in dvc.yaml (tests/test_flows.py
-# checks it against DVC's own graph). warmup and control both start from checkpoints/sft, so they run
-# side by side; the rest is a chain.
-UPSTREAM: dict[str, tuple[str, ...]] = {
-    "prepare": (), "sft": ("prepare",), "warmup": ("prepare", "sft"), "control": ("prepare", "sft"),
-    "grpo": ("prepare", "sft", "warmup"), "evaluate": ("prepare", "sft", "warmup", "control", "grpo")}
+def stage_graph(workdir: str | Path = ".") -> dict[str, tuple[str, ...]]:
+    """The stages of ``workdir``'s dvc.yaml in file order, each with every stage it depends on (DVC's
+    own graph: the stages whose outputs are its deps, transitively). The graph is declared once, in
+    dvc.yaml: the default pipeline's warmup and control both start from checkpoints/sft, so they run
+    side by side; a recipe's dvc.yaml (recipes/*/) brings its own stages and edges."""
+    import networkx as nx
+    import yaml
+    from dvc.repo import Repo
+
+    work = Path(workdir).resolve()
+    order = list((yaml.safe_load((work / "dvc.yaml").read_text()) or {}).get("stages", {}))
+    with Repo(Repo.find_root(str(work))) as repo:
+        graph = repo.index.graph  # an edge runs from a stage to a stage it depends on
+        mine = {st: st.name for st in graph.nodes if Path(st.path).resolve() == work / "dvc.yaml"}
+        ups = {mine[st]: {mine[d] for d in nx.descendants(graph, st) if d in mine} for st in mine}
+    return {name: tuple(u for u in order if u in ups[name]) for name in order}
 
 
-def upstream_of(stages: Sequence[str], parallel: bool = True) -> dict[str, list[str]]:
+def upstream_of(stages: Sequence[str], parallel: bool = True,
+                graph: dict[str, tuple[str, ...]] | None = None) -> dict[str, list[str]]:
     """For each stage of the run, the stages it waits for: its nearest upstream stages in the run (those
-    not already upstream of another of them), or with ``parallel=False`` the stage before it (a chain)."""
+    not already upstream of another of them) in ``graph`` (default: the working directory's dvc.yaml),
+    or with ``parallel=False`` the stage before it (a chain)."""
     if not parallel:
         return {name: list(stages[i - 1:i]) for i, name in enumerate(stages)}
+    graph = stage_graph() if graph is None else graph
     out: dict[str, list[str]] = {}
     for name in stages:
-        ups = [u for u in UPSTREAM[name] if u in stages]
-        out[name] = [u for u in ups if not any(u in UPSTREAM[v] for v in ups)]
+        ups = [u for u in graph[name] if u in stages]
+        out[name] = [u for u in ups if not any(u in graph[v] for v in ups)]
     return out
 
 
@@ -162,7 +178,7 @@ def run_chain(stages: Sequence[str], work: Path, cfg: Config, parent: str | None
     changed = changed_stages(str(work))
     changed_list = sorted(changed) if changed is not None else None
     futures: dict[str, Any] = {}
-    for name, ups in upstream_of(list(stages), parallel).items():
+    for name, ups in upstream_of(list(stages), parallel, stage_graph(work)).items():
         futures[name] = STAGE_TASKS[name].submit([futures[u] for u in ups], str(work), parent, label, str(root),
                                                  changed_list)
     results: dict[str, Any] = {}
@@ -177,13 +193,15 @@ def run_chain(stages: Sequence[str], work: Path, cfg: Config, parent: str | None
     return results
 
 
-def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | None,
+def execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence[str] | None,
             parallel: bool = True) -> dict[str, Any]:
-    """The body of every pipeline flow: lock, experiment copy when overridden, parent run, chain."""
+    """The body of every pipeline flow: lock, experiment copy when overridden, parent run, chain.
+    ``stages=None``: every stage of the working directory's dvc.yaml."""
     from prefect.runtime import flow_run
 
     overrides = effective_overrides(params_path, overrides)  # a bad config fails before any task
     root, name = Path.cwd().resolve(), exp_name(flow_run.name or "local")
+    stages = list(stage_graph(root)) if stages is None else stages
     with workspace_lock(f"flow run {name}", root):
         cfg = load_config("params.yaml", overrides)
         copy = experiment_copy(root, name, overrides) if overrides else contextlib.nullcontext(root)
@@ -210,9 +228,9 @@ def execute(stages: Sequence[str], params_path: str, overrides: Sequence[str] | 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None,
                   parallel: bool = True) -> dict[str, Any]:
-    """Every stage through DVC, warmup and control side by side (``parallel=False``: one at a time);
-    an experiment when overridden."""
-    return execute(STAGES, params_path, overrides, parallel)
+    """Every stage of the working directory's dvc.yaml through DVC, along its graph (the default's warmup
+    and control side by side; ``parallel=False``: one at a time); an experiment when overridden."""
+    return execute(None, params_path, overrides, parallel)
 
 
 def headline(work: Path) -> str:
@@ -234,15 +252,34 @@ def local_api() -> Iterator[None]:
         yield
 
 
+def enter_recipe(folder: str, overrides: Sequence[str]) -> None:
+    """Work in a recipe's folder (its dvc.yaml, params.yaml, lock and outputs); its MLflow runs go to the
+    repository's database like the default's (``DVC_ROOT``, what DVC sets for every stage)."""
+    from dvc.repo import Repo
+
+    work = Path(folder)
+    if not (work / "dvc.yaml").is_file() or not (work / "params.yaml").is_file():
+        raise InputError(f"--recipe {folder}: expected a folder with dvc.yaml and params.yaml (e.g. recipes/smollm2)")
+    if overrides:
+        raise InputError(f"--recipe {folder}: --set is not supported for a recipe's flow run; run "
+                         f"`dvc exp run -S KEY=VALUE` in {folder} (a DVC experiment of the recipe)")
+    os.environ[ROOT_ENV] = Repo.find_root(str(work.resolve()))
+    os.chdir(work)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.grpo_pipeline", description=__doc__.splitlines()[0])
     add_config_args(p, params_help="params file (another file: an experiment on its values)",
                     set_help="override one param (the run becomes a DVC experiment); repeatable")
     p.add_argument("--sequential", action="store_true",
                    help="one stage at a time (default: warmup and control side by side, each on its own cores)")
+    p.add_argument("--recipe", default=None, metavar="DIR",
+                   help="run the pipeline of another folder with its own dvc.yaml and params.yaml (recipes/smollm2)")
     args = p.parse_args(argv)
 
     def run() -> int:
+        if args.recipe:
+            enter_recipe(args.recipe, args.overrides)
         effective_overrides(args.params, args.overrides)
         check_free()  # one line before Prefect starts, not a failed flow run's traceback
         with local_api():

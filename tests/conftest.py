@@ -184,7 +184,7 @@ def copy_repo(dst: Path, git: bool = True) -> Path:
     committed results (metrics, plot series, dvc.lock), which belong to params.yaml, not the smoke config."""
     for rel in _git_files("-c") + _git_files("-o", "--exclude-standard"):
         src = REPO / rel
-        if src.is_file() and not rel.startswith((".ci/", "tests/", *PIPELINE_OUTPUTS)):
+        if src.is_file() and not rel.startswith((".ci/", "tests/", "recipes/", *PIPELINE_OUTPUTS)):
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     # written out in full: DVC tracks (and `dvc exp run -S` can set) only keys present in the file

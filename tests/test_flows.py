@@ -119,16 +119,17 @@ def test_the_flow_graph_is_dvcs_graph():
     import networkx as nx
     from dvc.repo import Repo
 
-    from flows.grpo_pipeline import UPSTREAM, upstream_of
+    from flows.grpo_pipeline import stage_graph, upstream_of
 
     with Repo(str(REPO)) as repo:
         graph = repo.index.graph  # an edge runs from a stage to a stage it depends on
-        names = {st: st.name for st in graph.nodes}
-        dvc_upstream = {names[st]: {names[d] for d in nx.descendants(graph, st)} for st in graph.nodes}
-    assert {k: set(v) for k, v in UPSTREAM.items()} == dvc_upstream
-    assert upstream_of(STAGES) == {"prepare": [], "sft": ["prepare"], "warmup": ["sft"], "control": ["sft"],
+        names = {st: st.name for st in graph.nodes if Path(st.path).resolve() == REPO / "dvc.yaml"}
+        dvc_upstream = {names[st]: {names[d] for d in nx.descendants(graph, st)} for st in names}
+    assert {k: set(v) for k, v in stage_graph(REPO).items()} == dvc_upstream
+    assert list(stage_graph(REPO)) == list(STAGES)
+    assert upstream_of(STAGES, graph=stage_graph(REPO)) == {"prepare": [], "sft": ["prepare"], "warmup": ["sft"], "control": ["sft"],
                                    "grpo": ["warmup"], "evaluate": ["control", "grpo"]}
-    assert upstream_of(["warmup", "grpo", "evaluate"]) == {"warmup": [], "grpo": ["warmup"], "evaluate": ["grpo"]}
+    assert upstream_of(["warmup", "grpo", "evaluate"], graph=stage_graph(REPO)) == {"warmup": [], "grpo": ["warmup"], "evaluate": ["grpo"]}
     assert upstream_of(STAGES, parallel=False)["control"] == ["warmup"]  # --sequential: the chain
 
 
@@ -154,12 +155,12 @@ def rendezvous_repo(root):
     script; warmup and control each wait (up to BRANCH_WAIT_S) for the other to have started."""
     import yaml
 
-    from flows.grpo_pipeline import UPSTREAM
+    from flows.grpo_pipeline import stage_graph
 
     root.mkdir()
     (root / "stage.py").write_text(RENDEZVOUS_STAGE)
     stages = {name: {"cmd": f"python stage.py {name}", "deps": ["stage.py", *(f"out/{u}.json" for u in ups)],
-                     "outs": [{f"out/{name}.json": {"cache": False}}]} for name, ups in UPSTREAM.items()}
+                     "outs": [{f"out/{name}.json": {"cache": False}}]} for name, ups in stage_graph(REPO).items()}
     (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     sh(root, "git", "init", "-q")
     sh(root, "dvc", "init", "-q")
@@ -254,7 +255,7 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     chain, every stage logs to Prefect, the artifacts exist, MLflow has one parent per flow run."""
     from mlflow.tracking import MlflowClient
 
-    from flows.grpo_pipeline import grpo_pipeline, upstream_of
+    from flows.grpo_pipeline import grpo_pipeline, stage_graph, upstream_of
 
     repo = tracked_repo(tmp_path, "flows")
     monkeypatch.chdir(repo)
@@ -284,7 +285,7 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
 
     # the graph is dvc.yaml's (warmup and control both after sft), and every stage logged to Prefect
     runs = by_stage(task_runs_of(flow_run_id, expect=STAGES))
-    for name, ups in upstream_of(STAGES).items():
+    for name, ups in upstream_of(STAGES, graph=stage_graph(REPO)).items():
         assert sorted(i.id for i in runs[name].task_inputs["upstream"]) == sorted(runs[u].id for u in ups), name
     logs = logs_of(flow_run_id, [runs[s].id for s in STAGES])
     assert all(logs[runs[s].id] for s in STAGES), logs
