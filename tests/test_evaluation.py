@@ -446,3 +446,100 @@ def test_sampling_metrics_only_for_the_sampled_tasks():
     m = ev.stage_metrics({"gsm8k": greedy_only, "arith": sampled}, samples={"arith": 4})
     assert m["arith_pass_at_1"] == 0.5 and m["arith_pass_at_4"] == 1.0 and m["arith_maj_at_4"] == 1.0
     assert not any(k.startswith(("gsm8k_pass", "gsm8k_maj")) for k in m)
+
+
+# --------------------------------------------------------------------------- few-shot baseline, per-level accuracy
+
+def test_entries_put_each_fewshot_entry_after_its_checkpoint():
+    cfg = _quiet_cfg()
+    cfg.evaluate.stages, cfg.evaluate.fewshot_stages = ["sft", "warmup", "grpo"], ["sft"]
+    from pipeline.stages.evaluate import entries
+
+    assert entries(cfg.evaluate) == {"sft": ("sft", False), "sft_fewshot": ("sft", True),
+                                     "warmup": ("warmup", False), "grpo": ("grpo", False)}
+    cfg.evaluate.stages, cfg.evaluate.fewshot_stages = ["grpo"], ["sft"]  # a few-shot-only checkpoint
+    assert entries(cfg.evaluate) == {"grpo": ("grpo", False), "sft_fewshot": ("sft", True)}
+
+
+def test_fewshot_prompt_as_chat_turns_and_as_text(hf_dirs):
+    """Under the chat template each worked example is an earlier user turn (the filled prompt template)
+    and its assistant answer, then the question's user turn with the assistant turn opened; without it,
+    the examples' prompts and responses as text, a blank line apart, then the question's prompt."""
+    from pipeline.model.hf import load_hf_tokenizer
+    from pipeline.stages.evaluate import fewshot_prompt
+
+    cfg = _quiet_cfg()
+    cfg.data.prompt_template = "Q: {question}\nUse <answer>N</answer>."
+    cfg.data.chat_template, cfg.data.system_prompt = True, "Be brief."
+    shots = [("What is 1 + 1?", "1 + 1 = 2.\n<answer>2</answer>"), ("What is 3 - 1?", "<answer>2</answer>")]
+    tok = load_hf_tokenizer(hf_dirs["qwen2"])
+    eos = tok.hf.eos_token
+    assert fewshot_prompt("What is 4 + 4?", shots, tok, cfg) == (
+        f"<|im_start|>system\nBe brief.{eos}\n"
+        f"<|im_start|>user\nQ: What is 1 + 1?\nUse <answer>N</answer>.{eos}\n"
+        f"<|im_start|>assistant\n1 + 1 = 2.\n<answer>2</answer>{eos}\n"
+        f"<|im_start|>user\nQ: What is 3 - 1?\nUse <answer>N</answer>.{eos}\n"
+        f"<|im_start|>assistant\n<answer>2</answer>{eos}\n"
+        f"<|im_start|>user\nQ: What is 4 + 4?\nUse <answer>N</answer>.{eos}\n<|im_start|>assistant\n")
+    cfg.data.chat_template = False
+    assert fewshot_prompt("What is 4 + 4?", shots, None, cfg) == (
+        "Q: What is 1 + 1?\nUse <answer>N</answer>. 1 + 1 = 2.\n<answer>2</answer>\n\n"
+        "Q: What is 3 - 1?\nUse <answer>N</answer>. <answer>2</answer>\n\n"
+        "Q: What is 4 + 4?\nUse <answer>N</answer>.")
+
+
+def test_level_metrics_hand_computed():
+    from pipeline.stages.evaluate import level_metrics
+
+    rows = [{"level": lv} for lv in (1, 1, 1, 2, 2, 3)]
+    preds = [{"correct": c} for c in (True, True, False, False, False, True)]
+    m = level_metrics(rows, preds)
+    assert [k for k in m if k.endswith("_accuracy")] == ["arith_level1_accuracy", "arith_level2_accuracy",
+                                                          "arith_level3_accuracy"]
+    assert (m["arith_level1_accuracy"], m["arith_level2_accuracy"], m["arith_level3_accuracy"]) == (2 / 3, 0.0, 1.0)
+    assert (m["arith_level1_examples"], m["arith_level2_examples"], m["arith_level3_examples"]) == (3, 2, 1)
+    assert (m["arith_level1_ci95_low"], m["arith_level1_ci95_high"]) == ev.wilson_interval(2, 3)
+
+
+def test_fewshot_entry_scores_the_checkpoint_on_prompts_with_worked_examples(tmp_path, monkeypatch):
+    """A few-shot entry generates from the same checkpoint with the examples before each question: its
+    prediction rows are the plain entry's generation on the few-shot prompts (checked against a plain
+    reference loop), and the per-level keys appear with evaluate.per_level."""
+    import torch
+
+    from pipeline.checkpoint import load_policy, save_policy
+    from pipeline.generation import generate
+    from pipeline.model.policy import build_policy
+    from pipeline.stages.evaluate import fewshot_prompt, run_evaluate
+    from pipeline.tokenizer import train_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    _write_data(tmp_path, n=3)
+    for name, source in (("gsm8k_train.jsonl", "gsm8k"), ("arith_train.jsonl", "arith")):
+        rows = [{"id": f"{source}-t{i}", "source": source, "question": f"What is {i} + 5?", "prompt": "",
+                 "gold": float(i + 5), "solution": f"{i} + 5 = {i + 5}.\n<answer>{i + 5}</answer>", "level": 1}
+                for i in range(6)]
+        (tmp_path / "data" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _quiet_cfg()
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size = 1, 2, 32, 1024
+    cfg.model.device = "cpu"
+    cfg.evaluate.stages, cfg.evaluate.fewshot_stages, cfg.evaluate.fewshot_examples = ["sft"], ["sft"], 2
+    cfg.evaluate.batch_size, cfg.evaluate.max_new_tokens, cfg.evaluate.samples, cfg.evaluate.jobs = 2, 5, 0, 1
+    cfg.evaluate.per_level = True
+    tok = train_tokenizer(["What is 1 + 5? <answer>6</answer> Question: Answer:"] * 8, vocab_size=300)
+    torch.manual_seed(0)
+    save_policy(tmp_path / "checkpoints" / "sft", build_policy(cfg.model, tok))
+    monkeypatch.setattr("pipeline.stages.evaluate.stage_logger", _RecordingLogger())
+
+    metrics = run_evaluate(cfg)["metrics"]
+    assert list(metrics) == ["sft", "sft_fewshot"]
+    assert metrics["sft_fewshot"]["arith_level1_examples"] == 3
+    policy = load_policy(tmp_path / "checkpoints" / "sft")
+    shots = [("What is 0 + 5?", "0 + 5 = 5.\n<answer>5</answer>"), ("What is 1 + 5?", "1 + 5 = 6.\n<answer>6</answer>")]
+    for task in ("gsm8k", "arith"):
+        questions = [f"What is {i} + {i + 1}?" for i in range(3)]
+        prompts = [fewshot_prompt(q, shots, policy.tokenizer, cfg) for q in questions]
+        assert prompts[0].startswith("Solve the problem.") and prompts[0].count("Question:") == 3
+        texts = [generate(policy, [p], batch_size=1, max_new_tokens=5)[0][0] for p in prompts]
+        preds = pd.read_csv(tmp_path / f"reports/predictions_sft_fewshot_{task}.csv", keep_default_na=False)
+        assert list(preds["completion"]) == texts

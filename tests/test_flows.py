@@ -8,7 +8,10 @@ writes the same files as the CLI/DVC stages.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -378,3 +381,27 @@ def test_failed_stage_fails_the_flow_closes_its_parent_and_saves_no_experiment(t
         with pytest.raises(InputError, match=rf"^data.gsm8k_source = {quoted}: no such file or folder; .*outside DVC"):
             grpo_pipeline(overrides=[f"data.gsm8k_source={source}"])
     assert len(sh(repo, "git", "worktree", "list").splitlines()) == 1 and not (repo / "data").exists()
+
+
+def test_a_recipe_folder_brings_its_own_stage_graph():
+    """recipes/smollm2/dvc.yaml is read as its own pipeline: the model stage first, no control, a chain
+    (DVC's graph of that file's stages only, though the repository holds two pipelines)."""
+    from flows.grpo_pipeline import stage_graph, upstream_of
+
+    graph = stage_graph(REPO / "recipes" / "smollm2")
+    assert list(graph) == ["model", "prepare", "sft", "warmup", "grpo", "evaluate"]
+    assert graph["prepare"] == ("model",) and "control" not in graph
+    assert upstream_of(list(graph), graph=graph) == {"model": [], "prepare": ["model"], "sft": ["prepare"],
+                                                     "warmup": ["sft"], "grpo": ["warmup"], "evaluate": ["grpo"]}
+    from tasks.stages import STAGE_TASKS
+
+    assert set(graph) <= set(STAGE_TASKS)
+
+
+def test_recipe_flag_errors_are_one_line(tmp_path):
+    for args, message in ((["--recipe", str(tmp_path)], "expected a folder with dvc.yaml and params.yaml"),
+                          (["--recipe", "recipes/smollm2", "--set", "grpo.iterations=1"], "dvc exp run -S")):
+        res = subprocess.run([sys.executable, "-m", "flows.grpo_pipeline", *args], cwd=REPO, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "PREFECT_API_URL": ""})
+        lines = (res.stdout + res.stderr).strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and message in lines[0], lines
