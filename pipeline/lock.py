@@ -1,22 +1,31 @@
-"""One pipeline run per workspace: a lock file naming its holder (pid, host, start time, what).
+"""One pipeline run per workspace: an OS lock (``fcntl.flock``) on ``.pipeline.lock``.
 
 Every stage function takes it (``pipeline.stages.stage_function``), so a stage started by the CLI,
 by ``dvc repro`` or by a Prefect task cannot run beside another stage in the same folder: the
-second one stops before touching anything, with one line naming the running one (exit 2). A lock
-left by a killed process (its pid is gone) is stale and is cleared by the next run.
+second one stops before touching anything, with one line naming the running one (exit 2).
 
-The lock appears whole: its content is written to a temporary file first and hard-linked into
-place (an exclusive create), so a full disk or a kill while it is written leaves no lock at all.
-Where hard links fail (some network and FUSE file systems) it is created empty and then written;
-an empty lock older than ``EMPTY_STALE_S`` is then taken for one whose writer died.
+The lock is the flock, and the kernel drops it when its holder exits, however it dies (kill -9
+included): there is no stale lock to judge and no pid to check, so nothing can delete a lock that
+another run has just taken. The file's content (what, pid, host, start time) only describes the
+holder for the busy message; a file a killed run left behind is simply locked by the next run. A
+holder removes the file while it still holds the lock, so a run that locked a file just removed
+this way sees that the path no longer names it and starts again on the file there now.
+
+``fcntl.flock`` itself, not the ``filelock`` package: this module writes the holder's description
+into the locked file and decides its own pass-through, and filelock falls back to a soft lock
+(existence of a file, with stale-lock judging) where flock is missing; here that is one line instead.
+Not ``lockf`` (POSIX record locks) either: a process drops those when it closes any descriptor of
+the file, as a nested block that looks at the lock does.
 
 A process that holds the lock exports its token (``GRPO_LOCK_TOKEN``) while it holds it, so its own
-children (torchrun ranks, ``dvc repro`` under a flow that holds the lock) pass through.
+children (torchrun ranks, ``dvc repro`` under a flow that holds the lock) pass through: a lock held
+by another open file whose content carries the caller's token is its parent's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -30,7 +39,6 @@ from pipeline.errors import InputError
 
 LOCK_FILE = ".pipeline.lock"
 TOKEN_ENV = "GRPO_LOCK_TOKEN"
-EMPTY_STALE_S = 60.0
 
 
 class WorkspaceBusyError(InputError):
@@ -38,7 +46,8 @@ class WorkspaceBusyError(InputError):
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
+    """Whether a process with this pid exists on this host (tracking's bookkeeping of its runs; the
+    lock never asks: a pid can be reused, the OS lock cannot outlive its holder)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -49,26 +58,14 @@ def pid_alive(pid: int) -> bool:
 
 
 def read_holder(root: str | Path = ".") -> dict[str, Any] | None:
-    """The lock's content, or None when the workspace is free (a half-written lock reads as empty)."""
+    """The lock file's description of its last holder, or None without a file (a half-written one
+    reads as empty). Whether anyone holds the lock now is the OS lock's answer, not this."""
     try:
         return json.loads((Path(root) / LOCK_FILE).read_text() or "{}")
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
         return {}
-
-
-def is_stale(holder: dict[str, Any], root: str | Path | None = None) -> bool:
-    """A lock whose holder is gone: its pid is dead on this host (another host's lock is never stale),
-    or, given the workspace `root`, a lock still empty `EMPTY_STALE_S` after it was created."""
-    if not holder.get("pid"):
-        if root is None:
-            return False
-        try:  # being written right now, unless its writer died before writing
-            return time.time() - (Path(root) / LOCK_FILE).stat().st_mtime > EMPTY_STALE_S
-        except OSError:
-            return False
-    return holder.get("host") == socket.gethostname() and not pid_alive(int(holder["pid"]))
 
 
 def describe(holder: dict[str, Any]) -> str:
@@ -78,12 +75,10 @@ def describe(holder: dict[str, Any]) -> str:
     return f"{holder.get('what', 'a run')} (pid {holder.get('pid')} on {holder.get('host')}, started {started})"
 
 
-def check_free(root: str | Path = ".") -> None:
-    """Raise :class:`WorkspaceBusyError` now if a live run holds the workspace (a cheap early check
-    for callers with a slow start; the lock itself is still taken where the work happens)."""
-    current = read_holder(root)
-    if current and not is_stale(current, root) and current.get("token") != os.environ.get(TOKEN_ENV):
-        raise _busy(root, current)
+def _ours(holder: dict[str, Any]) -> bool:
+    """Whether the holder is this process or an ancestor (its token is in our environment)."""
+    token = os.environ.get(TOKEN_ENV)
+    return bool(token) and holder.get("token") == token
 
 
 def _busy(root: str | Path, holder: dict[str, Any]) -> WorkspaceBusyError:
@@ -91,58 +86,102 @@ def _busy(root: str | Path, holder: dict[str, Any]) -> WorkspaceBusyError:
                               f"wait for it to finish or stop it")
 
 
-def _try_create(path: Path, holder: dict[str, Any]) -> bool:
-    """Create the lock with its content in one step; False if it exists."""
-    tmp = path.with_name(f"{path.name}.{holder['token']}.tmp")
+def _unusable(root: str | Path, exc: OSError) -> InputError:
+    return InputError(f"{Path(root).resolve()}: cannot take the workspace lock {LOCK_FILE} here "
+                      f"({exc.strerror or exc}); run in a writable folder on a file system with file locks")
+
+
+def _flock(fd: int, mode: int = fcntl.LOCK_EX) -> bool:
+    """Take the OS lock on `fd` without waiting; False while another open file holds it."""
     try:
-        tmp.write_text(json.dumps(holder))  # a full disk fails here, before any lock exists
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError:  # no hard links here: an exclusive create, then the content
-            pass
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(holder, f)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        raise
     return True
+
+
+def _names(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd` (a holder removes the file as it releases it)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def check_free(root: str | Path = ".") -> None:
+    """Raise :class:`WorkspaceBusyError` now if another run holds the workspace (a cheap early check
+    for callers with a slow start; the lock itself is still taken where the work happens)."""
+    try:
+        fd = os.open(Path(root) / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file: free; an unreadable one: workspace_lock says why
+        return
+    try:
+        if _flock(fd, fcntl.LOCK_SH):  # a probe: closing the file drops it
+            return
+    finally:
+        os.close(fd)
+    holder = read_holder(root) or {}
+    if not _ours(holder):
+        raise _busy(root, holder)
+
+
+def _acquire(path: Path) -> int | None:
+    """An open descriptor of `path` holding its OS lock, or None while another open file holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            locked = _flock(fd)
+            if locked and _names(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        if not locked:
+            return None
+        # locked a file its holder removed as it released it: lock the one there now
+
+
+def _release(fd: int, path: Path) -> None:
+    """Remove the file, then drop the lock (in this order: whoever locks the removed file retries)."""
+    try:
+        if _names(fd, path):
+            path.unlink()
+    finally:
+        os.close(fd)
+
+
+def _take(what: str, root: str | Path) -> tuple[int | None, dict[str, Any]]:
+    """(descriptor, holder): the lock taken and described in its file, or (None, the file's description)
+    while another run holds it. A folder that cannot hold the lock is one InputError line."""
+    path = Path(root) / LOCK_FILE
+    try:
+        fd = _acquire(path)
+    except OSError as exc:
+        raise _unusable(root, exc) from None
+    if fd is None:
+        return None, read_holder(root) or {}
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "what": what,
+              "token": uuid.uuid4().hex}
+    try:
+        os.ftruncate(fd, 0)  # a reader sees nothing rather than the previous holder's description
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+    except OSError as exc:  # a full disk or a file-size limit: no lock, and no file, left behind
+        _release(fd, path)
+        raise _unusable(root, exc) from None
+    return fd, holder
 
 
 @contextlib.contextmanager
 def workspace_lock(what: str, root: str | Path = ".") -> Iterator[dict[str, Any]]:
-    """Hold the workspace lock for the block; raise :class:`WorkspaceBusyError` if a live run holds it."""
-    path = Path(root) / LOCK_FILE
-    current = read_holder(root)
-    token = os.environ.get(TOKEN_ENV)
-    if current and token and current.get("token") == token:  # our own parent holds it
-        yield current
+    """Hold the workspace lock for the block; raise :class:`WorkspaceBusyError` if another run holds
+    it. Inside a block of our own or our parent's, pass through."""
+    fd, holder = _take(what, root)
+    if fd is None:
+        if not _ours(holder):
+            raise _busy(root, holder)
+        yield holder
         return
-    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "what": what,
-              "token": uuid.uuid4().hex}
-    for _ in range(2):
-        if _try_create(path, holder):
-            break
-        current = read_holder(root)
-        if current is None:
-            continue  # released in between: try again
-        if not is_stale(current, root):
-            raise _busy(root, current)
-        with contextlib.suppress(FileNotFoundError):  # a killed run's lock: clear it
-            path.unlink()
-    else:
-        raise WorkspaceBusyError(f"{path}: could not take the workspace lock (another run is starting)")
     saved = os.environ.get(TOKEN_ENV)
     os.environ[TOKEN_ENV] = holder["token"]
     try:
@@ -152,6 +191,4 @@ def workspace_lock(what: str, root: str | Path = ".") -> Iterator[dict[str, Any]
             os.environ.pop(TOKEN_ENV, None)
         else:
             os.environ[TOKEN_ENV] = saved
-        if (read_holder(root) or {}).get("token") == holder["token"]:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        _release(fd, Path(root) / LOCK_FILE)

@@ -42,7 +42,7 @@ def test_lock_refuses_a_second_holder_and_clears_a_dead_ones(tmp_path):
         holder.kill()  # SIGKILL: the lock file stays behind, naming a dead pid
         holder.wait()
     assert read_holder(tmp_path)["pid"] == holder.pid
-    with workspace_lock("stage grpo", tmp_path) as mine:  # stale: cleared and taken
+    with workspace_lock("stage grpo", tmp_path) as mine:  # the killed run's file is no lock: taken
         assert read_holder(tmp_path)["token"] == mine["token"]
         with workspace_lock("stage grpo (torchrun rank)", tmp_path):  # our own child passes (token in env)
             pass
@@ -64,23 +64,6 @@ def test_a_lock_that_cannot_be_written_leaves_no_lock(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the lock nor its temporary file
     with workspace_lock("stage sft", tmp_path):
         assert (tmp_path / LOCK_FILE).read_text()
-
-
-def test_an_empty_lock_is_busy_while_fresh_and_stale_once_old(tmp_path):
-    """An empty lock (a writer on a file system without hard links, killed before writing) blocks a
-    run for EMPTY_STALE_S, with a message that says so, then is cleared."""
-    from pipeline.lock import EMPTY_STALE_S, LOCK_FILE, WorkspaceBusyError, workspace_lock
-
-    lock = tmp_path / LOCK_FILE
-    lock.touch()
-    with pytest.raises(WorkspaceBusyError, match="taking the lock"):
-        with workspace_lock("stage grpo", tmp_path):
-            pass
-    old = time.time() - EMPTY_STALE_S - 5
-    os.utime(lock, (old, old))
-    with workspace_lock("stage grpo", tmp_path) as mine:
-        assert json.loads(lock.read_text())["token"] == mine["token"]
-    assert not lock.exists()
 
 
 def test_second_concurrent_stage_exits_2_with_one_line_naming_the_first(tmp_path):
