@@ -4,14 +4,22 @@
 applies ``section.key=value`` overrides, checks every key, type and range, and returns the
 :class:`~pipeline.config.Config`. Any mistake raises :class:`~pipeline.config.ConfigError` with a
 one-line message naming the file, the key and what is allowed; the CLI prints it and exits with status 2.
+
+Sizes have upper bounds no real run reaches (a value past them is a slip that would ask for gigabytes
+to terabytes), and the memory a config needs where the config alone tells it (prepare's rows; the gpt
+backend's model and batches on the CPU) is estimated and compared with this machine's memory: a run
+that cannot fit stops before any work, with one line naming the key, not an OOM kill later.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
+import os
 import re
+import resource
 import types
 import typing
 from pathlib import Path
@@ -51,17 +59,17 @@ def _data_model_rules(cfg: Config) -> list[tuple[str, bool, str]]:
     return [
         ("data.val_size", d.val_size >= 0, "an integer >= 0"),
         ("data.max_bad_fraction", 0.0 <= d.max_bad_fraction <= 1.0, "a number in [0, 1]"),
-        ("data.arith_train_size", d.arith_train_size >= 1, "an integer >= 1"),
-        ("data.arith_eval_size", d.arith_eval_size >= 1, "an integer >= 1"),
+        ("data.arith_train_size", 1 <= d.arith_train_size <= 10_000_000, "an integer in [1, 10000000]"),
+        ("data.arith_eval_size", 1 <= d.arith_eval_size <= 1_000_000, "an integer in [1, 1000000]"),
         ("data.arith_max_level", 1 <= d.arith_max_level <= 5, "an integer in [1, 5]"),
         ("data.prompt_template", "{question}" in d.prompt_template, "a string containing {question}"),
         ("data.vocab_size", 300 <= d.vocab_size <= 1_000_000, "an integer in [300, 1000000]"),
-        ("model.n_layer", m.n_layer >= 1, "an integer >= 1"),
-        ("model.n_head", m.n_head >= 1, "an integer >= 1"),
-        ("model.n_embd", m.n_embd >= 1 and m.n_embd % max(m.n_head, 1) == 0,
-         "an integer >= 1 divisible by model.n_head"),
-        ("model.block_size", m.block_size >= 16, "an integer >= 16"),
-        ("model.num_threads", m.num_threads >= 0, "an integer >= 0 (0 = torch's default)"),
+        ("model.n_layer", 1 <= m.n_layer <= 1024, "an integer in [1, 1024]"),
+        ("model.n_head", 1 <= m.n_head <= 1024, "an integer in [1, 1024]"),
+        ("model.n_embd", 1 <= m.n_embd <= 65536 and m.n_embd % max(m.n_head, 1) == 0,
+         "an integer in [1, 65536] divisible by model.n_head"),
+        ("model.block_size", 16 <= m.block_size <= 131072, "an integer in [16, 131072]"),
+        ("model.num_threads", 0 <= m.num_threads <= 4096, "an integer in [0, 4096] (0 = torch's default)"),
         ("model.dropout", 0.0 <= m.dropout < 1.0, "a number in [0, 1)"),
         ("model.device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None,
          "auto, cpu, cuda or cuda:N"),
@@ -83,7 +91,7 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
     return [
         ("evaluate.reward", is_reward_spec(e.reward), "empty or module:function (e.g. mypkg.rewards:score)"),
         ("sft.steps", s.steps >= 0, "an integer >= 0"),
-        ("sft.batch_size", s.batch_size >= 1, "an integer >= 1"),
+        ("sft.batch_size", 1 <= s.batch_size <= 65536, "an integer in [1, 65536]"),
         ("sft.lr", s.lr > 0, "a number > 0"),
         ("sft.warmup_steps", s.warmup_steps >= 0, "an integer >= 0"),
         ("sft.weight_decay", s.weight_decay >= 0, "a number >= 0"),
@@ -100,16 +108,16 @@ def _sft_eval_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("sft.arith_max_level", 0 <= s.arith_max_level <= cfg.data.arith_max_level,
          "an integer in [0, data.arith_max_level] (0 = every level)"),
         ("sft.arith_hard_examples", s.arith_hard_examples >= 0, "an integer >= 0"),
-        ("sft.num_threads", s.num_threads >= 0, "an integer >= 0 (0 = model.num_threads)"),
-        ("sft.nproc", s.nproc >= 1, "an integer >= 1"),
+        ("sft.num_threads", 0 <= s.num_threads <= 4096, "an integer in [0, 4096] (0 = model.num_threads)"),
+        ("sft.nproc", 1 <= s.nproc <= 1024, "an integer in [1, 1024]"),
         ("sft.nproc", s.nproc == 1 or m.dropout == 0,
          "1 while model.dropout > 0 (the ranks would draw their dropout masks from one seeded stream)"),
         *_control_rules(cfg),
         ("evaluate.gsm8k_limit", e.gsm8k_limit >= 0, "an integer >= 0 (0 = all)"),
         ("evaluate.arith_limit", e.arith_limit >= 0, "an integer >= 0 (0 = all)"),
-        ("evaluate.batch_size", e.batch_size >= 1, "an integer >= 1"),
-        ("evaluate.max_new_tokens", e.max_new_tokens >= 1, "an integer >= 1"),
-        ("evaluate.samples", e.samples >= 0, "an integer >= 0 (0 = off)"),
+        ("evaluate.batch_size", 1 <= e.batch_size <= 65536, "an integer in [1, 65536]"),
+        ("evaluate.max_new_tokens", 1 <= e.max_new_tokens <= 131072, "an integer in [1, 131072]"),
+        ("evaluate.samples", 0 <= e.samples <= 1024, "an integer in [0, 1024] (0 = off)"),
         ("evaluate.jobs", e.jobs >= 0, "an integer >= 0 (0 = auto)"),
         ("evaluate.sample_tasks", all(x in ("gsm8k", "arith") for x in e.sample_tasks),
          "a list drawn from gsm8k, arith"),
@@ -132,7 +140,7 @@ def _control_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("control.lr", c.lr > 0, "a number > 0"),
         ("control.warmup_steps", c.warmup_steps >= 0, "an integer >= 0"),
         ("control.eval_every", c.eval_every >= 0, "an integer >= 0"),
-        ("control.nproc", c.nproc >= 1, "an integer >= 1"),
+        ("control.nproc", 1 <= c.nproc <= 1024, "an integer in [1, 1024]"),
         ("control.nproc", c.nproc == 1 or cfg.model.dropout == 0,
          "1 while model.dropout > 0 (the ranks would draw their dropout masks from one seeded stream)"),
     ]
@@ -143,8 +151,8 @@ def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bo
         (f"{name}.iterations", g.iterations >= 0, "an integer >= 0"),
         # the sampling streams are seeded with seed * 7919 + epoch and seed * 1000 + rank
         (f"{name}.seed", -2**50 <= g.seed < 2**50, "an integer in [-2**50, 2**50)"),
-        (f"{name}.prompts_per_iter", g.prompts_per_iter >= 1, "an integer >= 1"),
-        (f"{name}.group_size", g.group_size >= 2, "an integer >= 2 (a group needs peers)"),
+        (f"{name}.prompts_per_iter", 1 <= g.prompts_per_iter <= 65536, "an integer in [1, 65536]"),
+        (f"{name}.group_size", 2 <= g.group_size <= 1024, "an integer in [2, 1024] (a group needs peers)"),
         (f"{name}.grpo_epochs", g.grpo_epochs >= 1, "an integer >= 1"),
         (f"{name}.minibatch_groups", 0 <= g.minibatch_groups <= g.prompts_per_iter,
          "an integer in [0, prompts_per_iter] (0 = whole batch)"),
@@ -167,7 +175,7 @@ def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bo
         (f"{name}.eval_samples", g.eval_samples >= 0, "an integer >= 0"),
         (f"{name}.save_every", g.save_every >= 1, "an integer >= 1"),
         (f"{name}.keep_last", g.keep_last >= 1, "an integer >= 1"),
-        (f"{name}.nproc", g.nproc >= 1, "an integer >= 1"),
+        (f"{name}.nproc", 1 <= g.nproc <= 1024, "an integer in [1, 1024]"),
         (f"{name}.prompts_per_iter", g.prompts_per_iter % max(g.nproc, 1) == 0,
          f"a multiple of {name}.nproc (prompts are sharded by process)"),
         (f"{name}.minibatch_groups", g.minibatch_groups % max(g.nproc, 1) == 0,
@@ -177,13 +185,127 @@ def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bo
     ]
 
 
+def _value(cfg: Config, key: str) -> Any:
+    section, name = key.split(".", 1)
+    return getattr(getattr(cfg, section), name)
+
+
 def validate(cfg: Config, source: str = "params") -> Config:
     for key, ok, allowed in _range_rules(cfg):
         if not ok:
-            section, name = key.split(".", 1)
-            value = getattr(getattr(cfg, section), name)
-            raise ConfigError(f"{source}: {key} = {_show(value)} is out of range; allowed: {allowed}")
+            raise ConfigError(f"{source}: {key} = {_show(_value(cfg, key))} is out of range; allowed: {allowed}")
+    _check_memory(cfg, source)
     return cfg
+
+
+# --------------------------------------------------------------------------- memory
+
+GB = 1e9
+# prepare holds every arithmetic row, the texts its tokenizer trains on and the JSONL it writes: a peak of
+# 0.4 GB at 20,000 rows and 1.7 GB at 200,000 (measured), ~7.5 kB a row
+PREPARE_ROW_BYTES = 7_500
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's ROCm
+MODEL_KEYS = ("model.n_layer", "model.n_embd", "data.vocab_size")
+
+
+def _cgroup_limit() -> int | None:
+    """This container's memory limit (cgroup v2, else v1); None where there is none."""
+    for path in CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return int(text)
+    return None
+
+
+def machine_memory() -> tuple[int, str] | None:
+    """(bytes, how) this process can use at most: the physical memory, the cgroup's limit or the
+    address-space limit (`ulimit -v`), whichever is least; None where none can be read."""
+    limits = []
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        limits.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of memory"))
+    cgroup = _cgroup_limit()
+    if cgroup is not None:
+        limits.append((cgroup, "under its cgroup's memory limit"))
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        limits.append((soft, "under its address-space limit (ulimit -v)"))
+    return min(limits) if limits else None
+
+
+def has_gpu() -> bool:
+    """Whether `model.device = auto` takes a GPU here, told without importing torch (seconds): a GPU
+    driver's device file, unless CUDA_VISIBLE_DEVICES hides every device."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    return any(Path(p).exists() for p in GPU_DEVICES)
+
+
+def _gpt_params(cfg: Config) -> int:
+    """Parameters of the pipeline's GPT of this shape (`checkpoint_manifest.gpt_param_count`, a module
+    above this one): tied embedding, attention 4 h^2 and SwiGLU 12 h^2 a layer."""
+    m, h = cfg.model, cfg.model.n_embd
+    learned = m.block_size * h if m.positions == "learned" else 0
+    return cfg.data.vocab_size * h + learned + m.n_layer * (16 * h * h + 2 * h) + h
+
+
+def _grpo_need(cfg: Config, name: str, weights: int, size: int) -> tuple[str, int, tuple[str, ...]]:
+    """A GRPO stage: weights, gradients, two AdamW moments and the reference (with a KL term), then the
+    larger of the rollout's preallocated KV cache (every row, `rollout_len` positions) and one training
+    pass's logits (a micro-batch per process, else the minibatch; `rollout_len` columns)."""
+    g, m, vocab = getattr(cfg, name), cfg.model, cfg.data.vocab_size
+    rows = g.prompts_per_iter * g.group_size
+    forward = (g.minibatch_groups or g.prompts_per_iter) * g.group_size
+    if g.micro_batch_size:
+        forward = min(forward, g.micro_batch_size * g.nproc)
+    kv = 2 * rows * g.rollout_len * m.n_layer * m.n_embd * size
+    logits = forward * g.rollout_len * vocab * size
+    batch, model = max(kv, logits), (5 if g.kl_coef > 0 else 4) * weights
+    keys = (*MODEL_KEYS, f"{name}.prompts_per_iter", f"{name}.group_size", f"{name}.rollout_len")
+    what = f"{name}: weights, AdamW and reference {model / GB:,.1f} GB + rollout batch {batch / GB:,.1f} GB"
+    return what, model + batch, keys
+
+
+def _evaluate_need(cfg: Config, weights: int, size: int) -> tuple[str, int, tuple[str, ...]]:
+    """evaluate: the weights, and one generation batch's KV cache (`batch_size` prompts x `samples`
+    rows; new tokens up to `max_new_tokens`, counted as no more than half the context) and logits."""
+    e, m = cfg.evaluate, cfg.model
+    rows = e.batch_size * (max(1, e.samples) if e.sample_tasks else 1)
+    new = min(e.max_new_tokens, m.block_size // 2)
+    batch = rows * (2 * new * m.n_layer * m.n_embd + cfg.data.vocab_size) * size
+    keys = (*MODEL_KEYS, "evaluate.batch_size", "evaluate.samples", "evaluate.max_new_tokens")
+    return f"evaluate: weights {weights / GB:,.1f} GB + generation batch {batch / GB:,.1f} GB", weights + batch, keys
+
+
+def memory_needs(cfg: Config) -> list[tuple[str, int, tuple[str, ...]]]:
+    """(what, bytes, the keys it grows with) of each stage at its peak, counted low: prepare's rows
+    for any backend and device; for the gpt backend on the CPU, the model and its largest batch (an
+    hf model's size is the model's, not the config's; a GPU's memory is not this machine's)."""
+    needs = [(f"prepare: {cfg.data.arith_train_size:,} arithmetic rows", PREPARE_ROW_BYTES * cfg.data.arith_train_size,
+              ("data.arith_train_size",))]
+    m = cfg.model
+    if m.backend != "gpt" or not (m.device == "cpu" or (m.device == "auto" and not has_gpu())):
+        return needs
+    size = 2 if m.param_dtype == "bfloat16" else 4
+    weights = _gpt_params(cfg) * size
+    return [*needs, *(_grpo_need(cfg, name, weights, size) for name in ("warmup", "grpo")),
+            _evaluate_need(cfg, weights, size)]
+
+
+def _check_memory(cfg: Config, source: str) -> None:
+    """One line naming the likeliest key (the one furthest above its default) when a stage needs more
+    memory than this machine has: before any work, not an OOM kill or a MemoryError minutes later."""
+    have = machine_memory()
+    what, need, keys = max(memory_needs(cfg), key=lambda n: n[1])
+    if have is None or need <= have[0]:
+        return
+    default = Config()
+    key = max(keys, key=lambda k: _value(cfg, k) / max(_value(default, k), 1))
+    raise ConfigError(f"{source}: {key} = {_show(_value(cfg, key))}: needs ~{need / GB:,.1f} GB of memory ({what}), "
+                      f"more than the {have[0] / GB:,.1f} GB this machine has {have[1]}; lower {key}")
 
 
 # --------------------------------------------------------------------------- parsing

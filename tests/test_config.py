@@ -1,5 +1,6 @@
 """Config loading: every rule gives one clear line naming the key; the CLI exits 2 without a traceback."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +14,16 @@ from pipeline.config_loading import config_from_dict, dump_config, load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_params_yaml_and_smoke_load_and_match_schema():
+def test_params_yaml_and_smoke_load_and_match_schema(monkeypatch):
+    from pipeline import config_loading
+
     default = load_config(ROOT / "params.yaml")
     assert default.grpo.group_size == 8 and default.grpo.clip == 0.2 and default.grpo.kl_coef == 0.04
     assert default.grpo.temperature == 1.0 and default.grpo.grpo_epochs == 1 and default.grpo.grad_clip == 1.0
     assert default.data.gsm8k_source == "./datasets/gsm8k"
-    for name in ("smoke.yaml", "gpu.yaml"):
-        load_config(ROOT / "configs" / name)
+    load_config(ROOT / "configs" / "smoke.yaml")
+    monkeypatch.setattr(config_loading, "has_gpu", lambda: True)  # gpu.yaml's model does not fit a CPU's memory
+    load_config(ROOT / "configs" / "gpu.yaml")
 
 
 def test_params_yaml_lists_every_field():
@@ -61,7 +65,7 @@ def test_dump_round_trips():
 
 
 @pytest.mark.parametrize("override,pattern", [
-    ("grpo.group_size=1", r"grpo\.group_size = 1 is out of range; allowed: an integer >= 2"),
+    ("grpo.group_size=1", r"grpo\.group_size = 1 is out of range; allowed: an integer in \[2, 1024\]"),
     ("warmup.group_size=0", r"warmup\.group_size = 0 is out of range"),
     ("grpo.clip=0", r"grpo\.clip = 0.0 is out of range; allowed: a number in \(0, 1\)"),
     ("grpo.clip=1.0", r"grpo\.clip = 1.0 is out of range"),
@@ -227,3 +231,127 @@ def test_torchrun_ranks_get_gloo_on_the_cpu_and_one_gpu_each_on_cuda():
         ranks_env(cfg("auto"), "sft", 2, 1)
     with pytest.raises(InputError, match=r"warmup\.nproc = 4 needs 4 CUDA devices"):
         ranks_env(cfg("cuda"), "warmup", 4, 0)
+
+
+# --------------------------------------------------------------------------- sizes the machine cannot hold
+
+ABSURD = [("sft", "model.block_size=1000000000"), ("sft", "model.n_layer=1000000"),
+          ("warmup", "warmup.group_size=2000000"), ("prepare", "data.arith_train_size=2000000000"),
+          ("evaluate", "evaluate.samples=100000000")]
+
+
+def _capped_cli(*args: str, cap_gb: float = 2.0, cwd=ROOT) -> subprocess.CompletedProcess:
+    """The CLI under an address-space cap (`ulimit -v`): a run that tried to allocate would fail, not
+    take the machine down."""
+    import resource
+
+    cap = int(cap_gb * 2**30)
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True,
+                          check=False, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+
+
+@pytest.mark.parametrize("stage,override", ABSURD)
+def test_absurd_sizes_stop_the_stage_with_one_line_before_any_work(stage, override, tmp_path):
+    """Each of these passed validation and then asked for gigabytes to terabytes (or ran until the OOM
+    killer came): now the stage itself stops at once, exit 2, one line naming the key and its bound."""
+    import time
+
+    key, value = override.split("=")
+    started = time.monotonic()
+    res = _capped_cli(stage, "--params", str(ROOT / "params.yaml"), "--set", override, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.startswith(f"error: {ROOT / 'params.yaml'}: {key} = {value} is out of range; allowed: an "
+                                 "integer in ["), res.stderr
+    assert time.monotonic() - started < 10 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("model.block_size=131073", r"model\.block_size = 131073 is out of range; allowed: an integer in \[16, 131072\]"),
+    ("model.n_layer=1025", r"model\.n_layer = 1025 is out of range; allowed: an integer in \[1, 1024\]"),
+    ("grpo.group_size=1025", r"grpo\.group_size = 1025 is out of range; allowed: an integer in \[2, 1024\]"),
+    ("data.arith_train_size=10000001", r"data\.arith_train_size = 10000001 is out of range; allowed: an integer in "
+                                       r"\[1, 10000000\]"),
+    ("evaluate.samples=1025", r"evaluate\.samples = 1025 is out of range; allowed: an integer in \[0, 1024\]"),
+])
+def test_upper_bounds_are_named_in_the_message(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(ROOT / "params.yaml", [override])
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """A CPU-only machine with 16 GB of memory, whatever runs the tests."""
+    from pipeline import config_loading
+
+    monkeypatch.setattr(config_loading, "machine_memory", lambda: (16 * 10**9, "of memory"))
+    monkeypatch.setattr(config_loading, "has_gpu", lambda: False)
+
+
+def test_sizes_each_in_bounds_that_together_need_more_than_the_machine_are_one_line(cpu_machine):
+    """The estimate (weights, AdamW and reference, the rollout's KV cache or a training pass's logits,
+    evaluate's generation batch; prepare's rows) against the machine's memory: the key most above its
+    default is named, with both figures."""
+    cases = [(["model.n_layer=1024", "model.n_embd=4096"], "model.n_layer = 1024"),
+             (["warmup.prompts_per_iter=4096", "warmup.minibatch_groups=0"], "warmup.prompts_per_iter = 4096"),
+             (["evaluate.samples=1024"], "evaluate.samples = 1024"),
+             (["evaluate.batch_size=4096"], "evaluate.batch_size = 4096"),
+             (["warmup.group_size=1024", "warmup.rollout_len=500"], "warmup.group_size = 1024"),
+             (["data.arith_train_size=9000000"], "data.arith_train_size = 9000000")]
+    for overrides, named in cases:
+        with pytest.raises(ConfigError, match=rf"^\S+params\.yaml: {re.escape(named)}: needs ~[\d.,]+ GB of memory "
+                                              r"\(.+\), more than the 16\.0 GB this machine has of memory; ") as info:
+            load_config(ROOT / "params.yaml", overrides)
+        assert "\n" not in str(info.value)
+
+
+def test_every_committed_config_fits_a_16_gb_machine(cpu_machine, monkeypatch):
+    """Every committed config is within the bounds, and fits a 16 GB machine: a CPU-only one, or for
+    configs/gpu.yaml one with a GPU (on the CPU its evaluate batch alone would take ~65 GB)."""
+    from pipeline import config_loading
+
+    configs = [ROOT / "params.yaml", *sorted((ROOT / "configs").glob("*.yaml")),
+               *sorted((ROOT / "recipes").glob("*/params.yaml"))]
+    assert len(configs) >= 5
+    for path in configs:
+        if path.name != "gpu.yaml":
+            load_config(path)
+    with pytest.raises(ConfigError, match=r"needs ~\d+\.\d GB of memory \(evaluate: "):
+        load_config(ROOT / "configs" / "gpu.yaml")
+    monkeypatch.setattr(config_loading, "has_gpu", lambda: True)
+    load_config(ROOT / "configs" / "gpu.yaml")
+
+
+def test_the_estimate_leaves_gpu_runs_and_hf_models_to_their_own_checks(cpu_machine, monkeypatch):
+    """On a GPU the weights live in its memory, which the config cannot see; an hf model's size is
+    the model's, not the config's: neither is compared with this machine's memory here."""
+    from pipeline import config_loading
+
+    big = ["model.n_layer=1024", "model.n_embd=4096"]
+    load_config(ROOT / "params.yaml", [*big, "model.device=cuda"])
+    load_config(ROOT / "params.yaml", [*big, "model.backend=hf", "model.init=some/model"])
+    monkeypatch.setattr(config_loading, "has_gpu", lambda: True)
+    load_config(ROOT / "params.yaml", big)  # device auto with a GPU here
+    with pytest.raises(ConfigError, match=r"model\.n_layer = 1024: needs"):
+        load_config(ROOT / "params.yaml", [*big, "model.device=cpu"])
+
+
+def test_the_machines_memory_is_the_least_of_ram_cgroup_and_address_space_limit(tmp_path, monkeypatch):
+    from pipeline import config_loading
+
+    ram, _ = config_loading.machine_memory()
+    limit = tmp_path / "memory.max"
+    limit.write_text("1073741824\n")
+    monkeypatch.setattr(config_loading, "CGROUP_LIMITS", (str(tmp_path / "absent"), str(limit)))
+    assert config_loading.machine_memory() == (1073741824, "under its cgroup's memory limit")
+    limit.write_text("max\n")  # cgroup v2 without a limit
+    assert config_loading.machine_memory()[0] == ram
+
+
+def test_an_address_space_cap_counts_as_the_machines_memory():
+    """Under `ulimit -v 2G`, a million arithmetic rows (~7.5 GB in prepare) are refused at once."""
+    res = _capped_cli("prepare", "--set", "data.arith_train_size=1000000", "--print-config")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    assert "data.arith_train_size = 1000000: needs ~" in res.stderr and "address-space limit" in res.stderr
