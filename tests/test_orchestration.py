@@ -145,7 +145,8 @@ def test_overrides_keep_comments_and_name_a_missing_key(tmp_path):
         apply_overrides(params, ["grpo.kl_coefs=1"])
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")) + sorted(REPO.glob("recipes/*/params.yaml")),
+                         ids=lambda p: p.stem if p.parent.name == "configs" else p.parent.name)
 def test_configs_hold_every_key_so_dvc_exp_run_can_set_any(path):
     keys = lambda d: {(s, k) for s, sec in d.items() for k in sec}  # noqa: E731
     base = yaml.safe_load((REPO / "params.yaml").read_text())
