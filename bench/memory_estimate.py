@@ -8,9 +8,11 @@ rows). Bytes counted, per phase (G rows per prompt, N = prompts_per_iter * G row
 rollout tokens, m = micro_batch_size or the minibatch's rows):
 
 - static: policy weights (param_dtype), the frozen reference (a second copy; none under LoRA,
-  which disables the adapters instead), gradients and two AdamW moments of what trains (all
-  weights, or the adapters), and under bf16 autocast a bf16 copy of fp32 weights that autocast
-  caches for backward;
+  which disables the adapters instead), gradients (in the weights' dtype) and two fp32 AdamW
+  moments of what trains (all weights, or the adapters, which peft keeps in fp32), with bf16
+  weights their fp32 master copy (`pipeline.training.MasterAdamW`: 2 + 2 + 8 + 4 = 16 bytes per
+  trained weight, against 4 + 4 + 8 = 16 in fp32: bf16 weights save only the frozen reference's
+  half), and under bf16 autocast a bf16 copy of fp32 weights that autocast caches for backward;
 - rollout: the KV cache (the prompts' keys once per group, each row's response keys) in bf16,
   and the sampler's fp32 (N, V) buffers (logits, probabilities, a CDF);
 - logprobs: one micro-batch's bf16 logits (m, T - prompt, V), a 128 MB fp32 chunk, one layer's
@@ -95,7 +97,8 @@ def estimate(cfg, shape: Shape, prompt_tokens: int, stage: str = "grpo") -> dict
     trainable = shape.lora_params(m.lora_rank, m.lora_targets) if lora else P
     autocast_copy = 2 * P if (wb == 4 and m.dtype != "float32") else 0
     weights = P * wb + (0 if lora or g.kl_coef == 0 else P * wb)
-    train_state = trainable * wb * 3  # gradients + two AdamW moments
+    grad_b, master = (4, 0) if lora or wb == 4 else (2, 4)  # peft's adapters are fp32; bf16: fp32 masters
+    train_state = trainable * (grad_b + 8 + master)  # gradients, two fp32 AdamW moments, masters
     static = weights + train_state
     rows, R = g.prompts_per_iter * g.group_size // max(g.nproc, 1), g.rollout_len
     T, V, L = prompt_tokens + R, shape.vocab, shape.layers

@@ -17,8 +17,10 @@ transformers causal LM), its tokenizer, the device and the compute dtype:
 What differs per backend sits in one small ops class each (``GPTOps`` in ``pipeline.model.gpt``,
 ``HFOps`` in ``pipeline.model.hf``); nothing above this module names a backend to compute.
 
-Weights are ``param_dtype`` (fp32 by default: master weights for AdamW; bf16 halves weights and
-optimizer state); ``dtype`` picks the autocast dtype: ``auto`` is bf16 on CUDA and fp32 on CPU.
+Weights are ``param_dtype`` (fp32 by default, stepped in place by AdamW; bf16 halves the weights and
+the reference, while the optimizer keeps fp32 masters and moments of them:
+``pipeline.training.MasterAdamW``); ``dtype`` picks the autocast dtype: ``auto`` is bf16 on CUDA and
+fp32 on CPU.
 ``gradient_checkpointing`` (hf) recomputes each layer in backward; the shared-prompt log-prob path,
 whose cache a recomputation cannot replay, then gives way to the plain one under grad.
 """
