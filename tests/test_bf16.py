@@ -107,7 +107,7 @@ def test_a_1e_6_update_lands_on_bf16_weights(kind, tiny_tokenizer, hf_dirs):
     masters, reference = _stepped(_train(bf16)), _stepped(_train(fp32))
     ours, fp32_share = _changed(init, masters), _changed(init, reference)
     assert fp32_share > 0.75  # every weight with a gradient (Llama: the unused embedding rows have none)
-    assert ours >= fp32_share - 0.005, f"the updates rounded away: {ours:.1%} of the weights moved, fp32 {fp32_share:.1%}"
+    assert ours >= fp32_share - 0.005, f"updates rounded away: {ours:.1%} of the weights moved, fp32 {fp32_share:.1%}"
     moved = lambda ws: sum(float((w.detach().float() - i).abs().sum()) for w, i in zip(ws, init))  # noqa: E731
     assert moved(masters) == pytest.approx(moved(reference), rel=0.1)  # as far as in fp32
     assert all(m.dtype == torch.float32 for m in masters)
@@ -159,7 +159,8 @@ def test_killed_bf16_sft_resumes_bit_identically(grpo_workdir, monkeypatch, capl
     cfg = smoke_cfg("model.param_dtype=bfloat16", "sft.lr=1e-6", "sft.steps=12", "sft.save_every=4",
                     "sft.eval_every=0", "sft.log_every=1")
     sft.run_sft(cfg)
-    whole, series = (grpo_workdir / "checkpoints/sft/model.safetensors").read_bytes(), (grpo_workdir / "plots/sft.csv").read_text()
+    out, csv = grpo_workdir / "checkpoints/sft/model.safetensors", grpo_workdir / "plots/sft.csv"
+    whole, series = out.read_bytes(), csv.read_text()
 
     class Killed(Exception):
         pass
@@ -178,8 +179,7 @@ def test_killed_bf16_sft_resumes_bit_identically(grpo_workdir, monkeypatch, capl
     with caplog.at_level("INFO", logger="pipeline"):
         sft.run_sft(cfg)
     assert "resuming from checkpoints/sft.resume/step_000008" in caplog.text
-    assert (grpo_workdir / "checkpoints/sft/model.safetensors").read_bytes() == whole
-    assert (grpo_workdir / "plots/sft.csv").read_text() == series
+    assert out.read_bytes() == whole and csv.read_text() == series
 
 
 @pytest.mark.gpu
