@@ -113,29 +113,29 @@ TABLE = [
     ("So the answer is $\\boxed{42}$.", 42.0),
     ("\\boxed{\\frac{3}{4}}", 0.75),
     ("\\boxed{42 \\text{ apples}}", 42.0),
-    ("\\boxed{1}, then \\boxed{2}", 2.0),
+    ("\\boxed{1}, then \\boxed{2}", N),  # two boxes that disagree: a hedge
     ("\\boxed{46 + 2}", N),
     ("\\boxed{42", 42.0),
     ("<answer>\\boxed{7}</answer>", 7.0),
     ("<answer>the answer is \\boxed{7} not 8</answer>", 7.0),
-    ("\\boxed{x} so 5", 5.0),
+    ("\\boxed{x} so 5", N),  # a box without a number is a non-answer, not a fall-through
     # tags and GSM8K markers
     ("<answer>42</answer>", 42.0),
     ("<answer> 42 </answer>", 42.0),
     ("<answer>x = 42 apples</answer>", 42.0),
     ("<answer>The answer is 42.</answer>", 42.0),
-    ("<answer>1</answer> ... <answer>2</answer>", 2.0),
-    ("<answer>no number</answer> but 5 later", 5.0),
+    ("<answer>1</answer> ... <answer>2</answer>", N),  # two blocks that disagree
+    ("<answer>no number</answer> but 5 later", N),  # a tag without a number earns nothing
     ("<answer>1,2,3</answer> 7", N),
     ("<answer>42 or 43</answer>", N),
     ("<answer>1 000</answer>", N),
     ("<answer>42", 42.0),
-    ("</answer>42<answer>", 42.0),
+    ("</answer>42<answer>", N),  # an opened, empty last tag
     ("Natalia sold 48/2 = 24 clips.\n#### 72", 72.0),
     ("#### 72\nThen 5 more words", 72.0),
     ("#### x\nbut 9", 9.0),
     ("#### 3 + 4", N),
-    ("<answer>7</answer>\n#### 8", 7.0),
+    ("<answer>7</answer>\n#### 8", N),  # a marker after the tag states another answer
     # digits that are not ASCII, huge runs
     ("x\u00b2", N),
     ("\u0663", N),
@@ -157,7 +157,7 @@ MATH_VERIFY_DIFFERS = {
     # math-verify finds no answer in these, or another one
     "Her balance is (-40) dollars", "So the answer is +8.", "She lost -$5 overall", "The change is \u22125",
     "The loss is \u20133", "Profit: \\$40", "1e3", "\\boxed{1}, then \\boxed{2}", "\\boxed{42",
-    "\\boxed{x} so 5", "#### 72\nThen 5 more words",
+    "#### 72\nThen 5 more words",
 }
 
 

@@ -18,8 +18,8 @@ from pipeline.rewards.verifiers import (CORRECT_BONUS, FORMAT_BONUS, has_well_fo
     ("<answer>3/4</answer>", 0.75),
     ("The answer is 18.", 18.0),
     ("<answer>$7</answer> then 9", 7.0),
-    ("<answer>no number</answer> but 5 later", 5.0),
-    ("<answer>1</answer> ... <answer>2</answer>", 2.0),
+    ("<answer>no number</answer> but 5 later", None),  # no fall-through past a tag
+    ("<answer>1</answer> ... <answer>2</answer>", None),  # blocks that disagree
     ("nothing here", None),
     ("<answer>5/0</answer>", None),
     ("", None),
@@ -34,10 +34,10 @@ def test_extract_answer_cases(text, expected):
     ("<answer>41</answer>", 42, 0.2),
     ("the answer is 42", 42, 1.0),
     ("<answer></answer>", 42, 0.0),          # the empty-tag hack earns nothing
-    ("<answer>  </answer> 42", 42, 1.0),
+    ("<answer>  </answer> 42", 42, 0.0),     # a blank tag is a non-answer: no fall-through
     ("<answer>42</answer><answer>42</answer>", 42, 1.0),  # two blocks: no format bonus
     ("<answer>forty-two</answer>", 42, 0.0),
-    ("<answer>42.00001</answer>", 42, 1.2),   # within abs_tol 1e-4
+    ("<answer>42.00001</answer>", 42, 0.2),   # exact: no tolerance
     ("<answer>42.001</answer>", 42, 0.2),
     ("<answer>42</answer>", None, 0.2),       # gold None: format only
 ])
@@ -102,6 +102,6 @@ def test_decimals_round_trip(d):
 ])
 @pytest.mark.timeout(10)
 def test_adversarial_megabyte_terminates(text):
-    # A quadratic parser takes minutes on 1 MB; the linear one takes ~0.1 s (see bench/rewards.py).
+    # A quadratic parser takes minutes on 1 MB; the linear one takes milliseconds (see bench/rewards.py).
     # The timeout is a hang guard, not a performance assertion.
     assert reward_gsm8k(text, 1.0) in {0.0, 0.2, 1.0, 1.2}

@@ -4,6 +4,14 @@ Correctness dominates (+1.0); a small format bonus (+0.2) rewards exactly one we
 `<answer>N</answer>` block; the most a completion earns is their sum, 1.2. The bonus stays small so a small model
 cannot farm it: an empty or non-numeric tag earns nothing (the reward hack the reference chapter warns about).
 
+Correct means: the answer the grammar of `pipeline.rewards.parsing` reads (its docstring has the rules:
+where the answer is, what one number is, what is ambiguous) equals the gold exactly, both as exact
+rationals. A float gold is read by its shortest repr (`72.0` -> 72, `0.1` -> 1/10), so `0.0001` is not
+`0` and `2**53 + 1` is not `2**53`; there is no tolerance. The one allowance: a float gold cannot hold a
+fraction whose decimals never end (1/3), so such a fraction matches the float nearest to it.
+Well-formed means: one `<answer>` and one `</answer>`, in that order, around exactly one number of the
+grammar and nothing else (`<answer>42</answer>`, `<answer>-3/4</answer>`; not `<answer>42 apples</answer>`).
+
 Plug-in: ``grpo.reward`` / ``warmup.reward`` / ``evaluate.reward`` = ``"module:function"`` names a
 user's own ``(completion, gold) -> float`` (for another dataset with checkable answers). It is
 imported by name with :mod:`importlib` (never evaluated), checked once at stage start, and every
@@ -15,21 +23,41 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 from pipeline.errors import InputError
 
-from pipeline.rewards.parsing import ANSWER_CLOSE, ANSWER_OPEN, answer_block, extract_answer, is_single_number, parse_gold
+from pipeline.rewards.parsing import (ANSWER_CLOSE, ANSWER_OPEN, answer_block, exact_number, extract_exact,
+                                      is_single_number)
 
 CORRECT_BONUS = 1.0
 FORMAT_BONUS = 0.2
-ABS_TOL = 1e-4
 
 
-def answers_match(pred: float | None, gold: float | str | None) -> bool:
-    """Within ABS_TOL; a string gold is read by the answer grammar, non-finite or unreadable is no match."""
-    pred, gold = parse_gold(pred), parse_gold(gold)
-    return pred is not None and gold is not None and math.isclose(pred, gold, rel_tol=0.0, abs_tol=ABS_TOL)
+def _never_ends(x: Fraction) -> bool:
+    """True if `x` has no finite decimal expansion (its denominator has a prime factor other than 2 and 5)."""
+    d = x.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    return d != 1
+
+
+def _nearest(exact: Fraction, other: Any) -> bool:
+    """True if `other` is a float and `exact` is a never-ending fraction whose nearest float it is."""
+    return isinstance(other, float) and _never_ends(exact) and float(exact) == other
+
+
+def answers_match(pred: Any, gold: Any) -> bool:
+    """Exact equality of two answers (Fraction, int, float by its repr, or a string of one number).
+
+    Non-finite or unreadable is no match; see the module docstring for the one float allowance.
+    """
+    p, g = exact_number(pred), exact_number(gold)
+    if p is None or g is None:
+        return False
+    return p == g or _nearest(p, gold) or _nearest(g, pred)
 
 
 def has_well_formed_answer(text: str) -> bool:
@@ -43,7 +71,7 @@ def has_well_formed_answer(text: str) -> bool:
 def reward_gsm8k(text: str, gold: float | None) -> float:
     """Correctness (dominant) + small format bonus; `gold=None` scores format only."""
     r = 0.0
-    if answers_match(extract_answer(text), gold):
+    if answers_match(extract_exact(text), gold):
         r += CORRECT_BONUS
     if has_well_formed_answer(text):
         r += FORMAT_BONUS
