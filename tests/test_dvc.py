@@ -310,3 +310,49 @@ def test_full_pipeline_repro_experiments_diffs_and_remote(tmp_path):
     assert (clone / "checkpoints" / "grpo" / "model.safetensors").is_file()
     status = sh(clone, "dvc", "status")
     assert "up to date" in status.stdout, status.stdout
+
+
+RECIPE = "recipes/smollm2"
+
+
+def recipe_row_cells(m: dict) -> list[str]:
+    """What the README's recipe table shows of one eval.json entry: held-out arithmetic with its interval,
+    per level, well-formed rate, GSM8K with its interval."""
+    pct = lambda key: f"{100 * m[key]:.1f}"  # noqa: E731
+    cells = [f"{pct('arith_accuracy')}% [{pct('arith_accuracy_ci95_low')}, {pct('arith_accuracy_ci95_high')}]"]
+    cells += [f"{pct(f'arith_level{lv}_accuracy')}%" for lv in (1, 2, 3)]
+    cells += [f"{pct('arith_format_rate')}%",
+              f"{pct('gsm8k_accuracy')}% [{pct('gsm8k_accuracy_ci95_low')}, {pct('gsm8k_accuracy_ci95_high')}]",
+              f"{pct('gsm8k_format_rate')}%", f"{pct('gsm8k_truncation_rate')}%"]
+    return cells
+
+
+def test_the_recipes_committed_results_are_those_of_its_params():
+    """recipes/smollm2 as committed: its dvc.lock has every stage of its dvc.yaml, each run with its
+    params.yaml's values; the metric and plot files it records are the committed ones (md5); eval.json
+    scores the base model zero-shot and few-shot and every trained checkpoint; and the README's recipe
+    table is that file. Read from git HEAD, like the default run's check."""
+    import hashlib
+
+    from ruamel.yaml import YAML
+
+    yaml12 = YAML(typ="safe")
+    lock = yaml12.load(committed(f"{RECIPE}/dvc.lock"))["stages"]
+    assert set(lock) == set(yaml.safe_load(committed(f"{RECIPE}/dvc.yaml"))["stages"])
+    params = yaml12.load(committed(f"{RECIPE}/params.yaml"))
+    for name, st in lock.items():
+        for key, value in st.get("params", {}).get("params.yaml", {}).items():
+            assert _value(params, key) == value, f"{RECIPE}/dvc.lock: stage {name} ran with {key}={value!r}"
+        for out in st["outs"]:
+            if out["path"].startswith(("metrics/", "plots/")) and out["path"].endswith((".json", ".csv")):
+                digest = hashlib.md5(committed(f"{RECIPE}/{out['path']}")).hexdigest()
+                assert digest == out["md5"], f"{RECIPE}/{out['path']} is not the file dvc.lock records"
+    metrics = json.loads(committed(f"{RECIPE}/metrics/eval.json"))
+    assert list(metrics) == ["sft", "sft_fewshot", "warmup", "grpo"]
+    readme = committed("README.md").decode()
+    section = readme[readme.index("## A real pretrained model"):].split("\n## ")[0]
+    rows = {line.split("|")[1].strip().split()[0].strip("`"): line for line in section.splitlines()
+            if line.startswith("| `")}
+    for entry, m in metrics.items():
+        cells = recipe_row_cells(m)
+        assert all(c in rows[entry] for c in cells), f"README recipe row {entry!r} is not eval.json's: {cells}"
