@@ -159,12 +159,13 @@ def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = No
 
 
 def changed_stages(workdir: str = ".") -> set[str] | None:
-    """The stages ``dvc status`` reports as changed (one DVC start for the whole chain); None when
-    DVC cannot tell (then every task asks ``dvc repro`` itself)."""
+    """The stages of ``workdir``'s dvc.yaml that ``dvc status`` reports as changed (one DVC start for the
+    whole chain; only that file's stages: a recipe's folder shares stage names with the default
+    pipeline's); None when DVC cannot tell (then every task asks ``dvc repro`` itself)."""
     import json
 
-    proc = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=workdir, capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "dvc", "status", "--json", "dvc.yaml"], cwd=workdir,
+                          capture_output=True, text=True, check=False)
     try:
         report = json.loads(proc.stdout) if proc.returncode == 0 else None
     except ValueError:
