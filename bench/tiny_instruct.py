@@ -2,13 +2,14 @@
 q/k/v biases) with a ChatML chat template, saved with save_pretrained for `model.init`.
 
     python bench/tiny_instruct.py OUT_DIR [--layers 4] [--width 256] [--heads 8] [--kv-heads 2]
-                                          [--vocab 151936] [--gsm8k PATH]
+                                          [--ffn 688] [--vocab 151936] [--gsm8k PATH]
 
 The tokenizer is a byte-level BPE (2,048 tokens) trained on the GSM8K copy's text, with Qwen's
 special tokens (`<|endoftext|>` pad, `<|im_start|>`, `<|im_end|>` eos). The model's vocabulary is
 `--vocab` rows (Qwen2.5's 151,936 by default), so the vocabulary projection, sampling and log-prob
-passes cost what they cost for the real model; ids the tokenizer lacks decode to nothing.
-bench/device_check.sh uses it for configs/instruct.yaml on a GPU machine.
+passes cost what they cost for the real model; ids the tokenizer lacks decode to nothing. `--ffn`:
+the MLP width (default 2.7 x `--width`; Qwen2.5-0.5B's is 4864 at width 896).
+bench/device_check.sh builds Qwen2.5-0.5B's shape with it on a GPU machine, which reaches no hub.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def texts(gsm8k: Path) -> list[str]:
     return out
 
 
-def build(out: Path, layers: int, width: int, heads: int, kv_heads: int, vocab: int, gsm8k: Path) -> Path:
+def build(out: Path, layers: int, width: int, heads: int, kv_heads: int, vocab: int, gsm8k: Path,
+          ffn: int = 0) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -51,7 +53,8 @@ def build(out: Path, layers: int, width: int, heads: int, kv_heads: int, vocab: 
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<|endoftext|>", eos_token="<|im_end|>")
     tok.chat_template = CHATML
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=max(vocab, len(tok)), hidden_size=width, intermediate_size=int(width * 2.7) // 8 * 8,
+    cfg = Qwen2Config(vocab_size=max(vocab, len(tok)), hidden_size=width,
+                      intermediate_size=ffn or int(width * 2.7) // 8 * 8,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=2048, tie_word_embeddings=True, use_sliding_window=False,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
@@ -67,11 +70,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=0, help="MLP width (0: 2.7 x width)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--gsm8k", default=None)
     args = ap.parse_args()
     path = build(Path(args.out), args.layers, args.width, args.heads, args.kv_heads, args.vocab,
-                 Path(args.gsm8k or default_gsm8k()))
+                 Path(args.gsm8k or default_gsm8k()), args.ffn)
     print(path)
 
 
