@@ -193,13 +193,10 @@ def test_tracking_logs_to_the_repositorys_database_and_registers_the_grpo_model(
     assert [str(v.version) for v in client.search_model_versions("name = 'smollm2-grpo'")] == ["1"]
 
 
-@pytest.mark.xfail(strict=True, reason="MLflow creates the recipe's experiment with its default artifact root, "
-                   "./mlruns of the stage's working folder: recipes/smollm2/mlruns/, which the root .gitignore's "
-                   "/mlruns/ does not cover (remove this mark once artifacts go beside the repository's mlflow.db "
-                   "or mlruns/ is ignored everywhere)")
 def test_a_recipe_run_leaves_git_no_untracked_file_but_dvcs(recipe):
     """After `dvc repro`, what git would pick up in the recipe folder is DVC's own: dvc.lock, the .gitignore
-    files, the metrics and the plot series (cache: false); the cached outputs are ignored."""
+    files, the metrics and the plot series (cache: false); the cached outputs and MLflow's artifact folder
+    (./mlruns of the stage's working folder, ignored anywhere) are not."""
     work, _, _ = recipe
     untracked = run(work, "git", "ls-files", "--others", "--exclude-standard", ".").stdout.split()
     stray = [p for p in untracked if not (p == "dvc.lock" or Path(p).name == ".gitignore" or p.startswith("metrics/")
