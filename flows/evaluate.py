@@ -17,7 +17,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.grpo_pipeline import effective_overrides, execute, local_api
+from flows.grpo_pipeline import effective_overrides, execute, run_flow
 from pipeline.cli import add_config_args, exit_status
 
 
@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         # a bad --checkpoint is one line before Prefect starts, like any other bad value
         effective_overrides(args.params, checkpoint_overrides(args.checkpoints, args.overrides))
-        with local_api():
-            result = evaluate_checkpoints(args.checkpoints or None, args.params, args.overrides)
+        result, code = run_flow(lambda: evaluate_checkpoints(args.checkpoints or None, args.params, args.overrides,
+                                                             return_state=True),
+                                ["-m", "flows.evaluate", *(sys.argv[1:] if argv is None else argv)])
+        if code:
+            return code
         print(json.dumps(result.get("metrics", [])))
         return 0
 

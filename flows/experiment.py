@@ -7,12 +7,18 @@ The overrides are applied to its ``params.yaml`` by DVC's own ``-S`` code (comme
 source DVC cannot hash (a hub id, a missing path) stops there in one line. The caller runs the
 stages there; on success the result is saved with ``dvc exp save -n <name>``: a git worktree shares
 the repository's refs, so ``dvc exp show`` in ``root`` lists it beside experiments made by hand.
-The worktree is removed either way: ``root`` is left as it was found.
+The worktree is removed, and ``root`` is left as it was found, unless the run stopped early with
+training to resume (``checkpoints/<stage>.resume`` in it): a stopped or killed run's copy stays,
+and the next run with the same overrides takes its resume states and removes it, so it resumes
+where the stopped one was instead of starting again (each stage still refuses a state made from
+other params or inputs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -86,27 +92,68 @@ def _share_cache(root: Path, dst: Path) -> None:
     _run(_dvc("cache", "dir", "--local", cache), dst)
 
 
+def copy_key(root: Path, overrides: list[str]) -> str:
+    """What names the copies of one experiment: the repository and the overrides (in any order)."""
+    return hashlib.sha256(json.dumps([str(root), sorted(overrides)]).encode()).hexdigest()[:12]
+
+
+def _resume_states(work: Path) -> list[Path]:
+    folder = work / "checkpoints"
+    return [p for p in folder.glob("*.resume") if p.is_dir() and any(p.iterdir())] if folder.is_dir() else []
+
+
+def _earlier_copies(root: Path, key: str) -> list[Path]:
+    """Worktrees of ``root`` left by stopped or killed runs with the same overrides (the caller holds
+    ``root``'s lock, so none of them is in use)."""
+    listed = _run(["git", "worktree", "list", "--porcelain"], root).stdout
+    paths = [Path(line[len("worktree "):]) for line in listed.splitlines() if line.startswith("worktree ")]
+    return [p for p in paths if p.parent.name.startswith(f"grpo-exp-{key}-")]
+
+
+def _take_resume_states(root: Path, key: str, work: Path) -> None:
+    """Move the resume states of earlier copies of this experiment into ``work``; remove those copies."""
+    for old in [p for p in _earlier_copies(root, key) if p.resolve() != work.resolve()]:
+        for state in _resume_states(old):
+            if not (work / "checkpoints" / state.name).exists():
+                (work / "checkpoints").mkdir(exist_ok=True)
+                shutil.move(str(state), work / "checkpoints" / state.name)
+        _remove_copy(root, old)
+
+
+def _remove_copy(root: Path, work: Path) -> None:
+    _run(["git", "worktree", "remove", "--force", str(work)], root, check=False)
+    shutil.rmtree(work.parent, ignore_errors=True)
+    _run(["git", "worktree", "prune"], root, check=False)
+
+
 @contextlib.contextmanager
 def experiment_copy(root: str | Path, name: str, overrides: list[str]) -> Iterator[Path]:
-    """A temporary working copy of ``root`` with ``overrides`` applied; removed on exit."""
+    """A temporary working copy of ``root`` with ``overrides`` applied, holding the resume states an
+    earlier stopped copy with the same overrides left; removed on exit, unless the run stopped early
+    with a resume state in it (then the next such run takes it)."""
     root = Path(root).resolve()
     if _run(["git", "rev-parse", "HEAD"], root, check=False).returncode != 0:
         raise InputError(f"{root}: a run with overrides is saved as a DVC experiment, which needs a git "
                          f"repository with at least one commit")
-    tmp = Path(tempfile.mkdtemp(prefix=f"grpo-exp-{name}-"))
+    key = copy_key(root, overrides)
+    tmp = Path(tempfile.mkdtemp(prefix=f"grpo-exp-{key}-{name}-"))
     work = tmp / "repo"
     _run(["git", "worktree", "add", "--detach", str(work), "HEAD"], root)
+    keep = False
     try:
         _copy_workspace_state(root, work)
         _share_cache(root, work)
         _run(_dvc("checkout", "--allow-missing"), work, check=False)  # what is cached; the rest re-runs
         apply_overrides(work / "params.yaml", overrides)
         check_gsm8k_source(work)
+        _take_resume_states(root, key, work)
         yield work
+    except BaseException:
+        keep = bool(_resume_states(work))  # stopped mid-training: the next run with these overrides resumes
+        raise
     finally:
-        _run(["git", "worktree", "remove", "--force", str(work)], root, check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
-        _run(["git", "worktree", "prune"], root, check=False)
+        if not keep:
+            _remove_copy(root, work)
 
 
 def save_experiment(work: Path, name: str) -> str:

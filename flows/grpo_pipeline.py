@@ -15,6 +15,11 @@ Run it locally, no server needed (Prefect starts a temporary local API)::
     python -m flows.grpo_pipeline --set grpo.kl_coef=0.02    # an experiment
 
 Serve it on a schedule: ``python -m flows.serve`` (see flows/serve.py).
+
+Stopping it: Ctrl-C (SIGINT), SIGTERM (systemd, Docker, Kubernetes, a cancel from the Prefect UI)
+or SIGHUP is forwarded to the running stages (``tasks.stages.stop_stages``): they stop and keep their
+resume state, no further stage starts, the MLflow parent run ends KILLED, the flow run ends
+Cancelled, and the command prints one line saying what to run to resume (exit 128 + the signal).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -40,7 +47,8 @@ from pipeline.evaluation import training_summary
 from pipeline.lock import check_free, workspace_lock
 from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run
 from pipeline.tracking.common import ROOT_ENV
-from tasks.stages import STAGE_TASKS, changed_stages
+from tasks.stages import (STAGE_TASKS, STOP_TIMEOUT_S, changed_stages, reset_stop, stop_stages, stopped_by,
+                         stopped_stages)
 
 EVAL_ARTIFACT_KEY = "grpo-eval"
 TRAINING_STAGES = ("sft", "warmup", "control", "grpo")
@@ -172,9 +180,9 @@ def run_chain(stages: Sequence[str], work: Path, cfg: Config, parent: str | None
     """Every stage task submitted at once, each taking its upstream stages' results (the graph's edges), so
     Prefect starts a stage as soon as those finish: warmup and control run side by side. Results are
     read in pipeline order, each training stage's artifact published as it finishes; when one fails the
-    stages already running are let finish (DVC records them) before its error is raised."""
-    from prefect.futures import wait
-
+    stages already running are let finish (DVC records them) before its error is raised; on a signal
+    they are stopped instead (:func:`settle`)."""
+    reset_stop()
     changed = changed_stages(str(work))
     changed_list = sorted(changed) if changed is not None else None
     futures: dict[str, Any] = {}
@@ -187,16 +195,67 @@ def run_chain(stages: Sequence[str], work: Path, cfg: Config, parent: str | None
             results[name] = futures[name].result()
             if name in TRAINING_STAGES:
                 publish_stage(cfg, results[name], parent)
-    except BaseException:
-        wait(list(futures.values()))
-        raise
+    except BaseException as exc:
+        raise settle(list(futures.values()), exc)
     return results
 
 
+def interrupt_signal(exc: BaseException) -> int | None:
+    """The signal behind an exception: SIGINT for Ctrl-C (KeyboardInterrupt), the signal of Prefect's
+    TerminationSignal (SIGTERM; SIGHUP from :func:`stop_on_signals`); None for an error."""
+    from prefect.exceptions import TerminationSignal
+
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    return exc.signal if isinstance(exc, TerminationSignal) else None
+
+
+def settle(futures: list[Any], exc: BaseException) -> BaseException:
+    """What the stages still running do when the chain ends early; returns the exception to raise.
+    After a failure they are let finish (DVC records them); after a signal, or one that arrives while
+    waiting, they are stopped (``stop_stages``: forwarded, a bounded wait) and nothing more starts."""
+    from prefect.futures import wait
+
+    if interrupt_signal(exc) is None:
+        try:
+            wait(futures)
+            return exc
+        except BaseException as again:
+            if interrupt_signal(again) is None:
+                raise
+            exc = again
+    stop_stages(interrupt_signal(exc))
+    wait(futures, timeout=STOP_TIMEOUT_S)  # the stopped tasks record Cancelled, the rest NotReady
+    return exc
+
+
 def execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence[str] | None,
-            parallel: bool = True) -> dict[str, Any]:
+            parallel: bool = True) -> dict[str, Any] | Any:
     """The body of every pipeline flow: lock, experiment copy when overridden, parent run, chain.
-    ``stages=None``: every stage of the working directory's dvc.yaml."""
+    ``stages=None``: every stage of the working directory's dvc.yaml. A signal ends the run Cancelled
+    (a State the flow returns), not Crashed: the stages are stopped by then (:func:`settle`)."""
+    from prefect.states import Cancelled
+
+    reset_stop()
+    try:
+        return _execute(stages, params_path, overrides, parallel)
+    except BaseException as exc:
+        sig = interrupt_signal(exc)
+        if sig is None:
+            raise
+        if stopped_by() is None:  # signalled outside the chain: record it, and no stage starts now
+            stop_stages(sig)
+        return Cancelled(message=interrupted_message(sig))
+
+
+def interrupted_message(sig: int) -> str:
+    stopped = stopped_stages()
+    what = f"stopped {', '.join(stopped)} (resume state kept)" if stopped else "no stage was running"
+    return f"interrupted by {signal.Signals(sig).name}: {what}"
+
+
+def _execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence[str] | None,
+             parallel: bool) -> dict[str, Any]:
     from prefect.runtime import flow_run
 
     overrides = effective_overrides(params_path, overrides)  # a bad config fails before any task
@@ -218,8 +277,8 @@ def execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence[
                     results["experiment"] = save_experiment(work, name)
                 results["metrics"] = publish_eval(workdir=work) if "evaluate" in stages else []
                 results["headline"] = headline(work)
-            except BaseException:
-                end_pipeline_run(cfg, parent, "FAILED")
+            except BaseException as exc:
+                end_pipeline_run(cfg, parent, "KILLED" if interrupt_signal(exc) else "FAILED")
                 raise
             end_pipeline_run(cfg, parent, "FINISHED")
     return results
@@ -242,14 +301,66 @@ def headline(work: Path) -> str:
 
 @contextlib.contextmanager
 def local_api() -> Iterator[None]:
-    """Without PREFECT_API_URL, Prefect starts a temporary local API; give it time on a busy machine."""
+    """Without PREFECT_API_URL, Prefect starts a temporary local API: give it time on a busy machine,
+    and start it here, out of a Ctrl-C's reach. A terminal's Ctrl-C goes to the whole process group,
+    and the temporary server used to die with it: the interrupted flow then retried a dead API for
+    minutes and left its run RUNNING. SIGINT is blocked while the server starts (a blocked signal
+    stays blocked across exec), so the flow can still report its run Cancelled; Prefect stops the
+    server (SIGTERM) when this process exits."""
+    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
-    if PREFECT_API_URL.value() or PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value() >= 120:
+    if PREFECT_API_URL.value():
         yield
         return
-    with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 120}):
+    timeout = max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), 120)
+    with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: timeout}):
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            SubprocessASGIServer().start(timeout=timeout)  # the instance Prefect's clients then use
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a Ctrl-C meanwhile is delivered now
         yield
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Prefect's TerminationSignal in this process for the whole command,
+    not only while the flow engine runs (its own handler, inside), so they stop the stages and the
+    temporary API is stopped at exit. SIGHUP matters because the stages run in their own process
+    groups: a closed terminal no longer reaches them directly."""
+    from prefect.exceptions import TerminationSignal
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise TerminationSignal(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def run_flow(call, argv: Sequence[str]) -> tuple[Any, int]:
+    """Run a pipeline flow (``call`` returns its final state) from its command line: (its result, 0),
+    or on a signal one line on stderr (what was stopped; the command that resumes) and (None, 128 +
+    the signal), without a traceback."""
+    with stop_on_signals():
+        try:
+            with local_api():
+                state = call()
+        except BaseException as exc:  # a signal outside the flow body (while Prefect starts or ends it)
+            if interrupt_signal(exc) is None:
+                raise
+            state, sig = None, interrupt_signal(exc)
+        else:
+            sig = stopped_by() if state.is_cancelled() else None
+    if sig is None:
+        return state.result(), 0
+    why = state.message if state is not None else f"interrupted by {signal.Signals(sig).name}"
+    print(f"{why}; run `{shlex.join(['python', *argv])}` again to resume", file=sys.stderr)
+    return None, 128 + sig
 
 
 def enter_recipe(folder: str, overrides: Sequence[str]) -> None:
@@ -282,8 +393,11 @@ def main(argv: list[str] | None = None) -> int:
             enter_recipe(args.recipe, args.overrides)
         effective_overrides(args.params, args.overrides)
         check_free()  # one line before Prefect starts, not a failed flow run's traceback
-        with local_api():
-            results = grpo_pipeline(args.params, args.overrides, not args.sequential)
+        results, code = run_flow(lambda: grpo_pipeline(args.params, args.overrides, not args.sequential,
+                                                       return_state=True),
+                                 ["-m", "flows.grpo_pipeline", *(sys.argv[1:] if argv is None else argv)])
+        if code:
+            return code
         if results.get("experiment"):
             print(f"experiment {results['experiment']} saved: dvc exp show; dvc exp apply {results['experiment']}")
         print(results.get("headline", ""))

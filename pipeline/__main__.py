@@ -8,17 +8,23 @@ stderr and exit 2. A stage with ``nproc > 1`` (sft, control, warmup, grpo) is st
 process per rank, holding the workspace lock for its ranks; the stages themselves never start processes.
 Before a stage imports torch, ``model.cpu_kernels`` pins torch's and MKL's CPU kernels
 (``pipeline.kernels``), for this process and the processes it starts.
+SIGTERM stops a stage the way Ctrl-C does (:class:`Stopped`, a KeyboardInterrupt): its MLflow run
+ends KILLED, its resume state stays, and it prints one line saying how to resume (exit 128 + signal).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 from pipeline.cli import add_config_args, exit_status
 from pipeline.config import STAGES
@@ -26,6 +32,46 @@ from pipeline.config_loading import dump_config, load_config
 from pipeline.kernels import apply as pin_cpu_kernels
 
 EXTRA_COMMANDS = ("compare", "summary")
+TORCHRUN_STOP_S = 30.0  # how long a stopped launcher lets torchrun stop its ranks before it signals it itself
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (systemd, Docker, a flow stopping its stages), raised where the stage is: it unwinds
+    like Ctrl-C, so the stage's MLflow run ends KILLED and its files are closed, instead of the
+    process dying mid-call. The resume state on disk is the same either way."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`Stopped` for the block (in the main thread; elsewhere it is left alone)."""
+    def handler(signum: int, _frame) -> None:
+        raise Stopped(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupted(stage: str, exc: KeyboardInterrupt) -> int:
+    """One line for a stopped command (no traceback): what stopped, where its resume state is."""
+    sig = getattr(exc, "signum", signal.SIGINT)
+    pattern = "*.resume" if stage == "all" else f"{stage}.resume"
+    kept = sorted(str(p) for p in Path("checkpoints").glob(pattern) if p.is_dir() and any(p.iterdir()))
+    note = f"; resume state kept in {', '.join(kept)}" if kept else ""
+    if os.environ.get("RANK", "0") == "0":  # one line, not one per torchrun rank
+        print(f"interrupted by {signal.Signals(sig).name}: {stage} stopped{note}; run the same command again to "
+              "resume", file=sys.stderr)
+    return 128 + sig
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -91,9 +137,27 @@ def run_under_torchrun(cfg, stage: str, nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "pipeline", stage, "--params", params]
     try:
-        return subprocess.run(cmd, check=False, env=env).returncode
+        return _wait_torchrun(subprocess.Popen(cmd, env=env))
     finally:
         os.unlink(params)
+
+
+def _wait_torchrun(proc: subprocess.Popen) -> int:
+    """torchrun's exit status. Stopped (Ctrl-C, SIGTERM), this launcher waits for torchrun to stop its
+    ranks (they run in their own sessions: only torchrun can stop them) instead of killing it at once
+    as `subprocess.run` does; it signals torchrun itself only if torchrun is still running then."""
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                proc.send_signal(sig)
+            try:
+                proc.wait(timeout=TORCHRUN_STOP_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise
 
 
 
@@ -108,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return exit_status(lambda: run(args))
+    try:
+        with stop_on_sigterm():
+            return exit_status(lambda: run(args))
+    except KeyboardInterrupt as exc:
+        return interrupted(args.stage, exc)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,14 +18,23 @@ Context reaches the stage process in environment variables (``pipeline/`` never 
 ``GRPO_PARENT_RUN_ID`` (the flow's MLflow parent run), ``GRPO_PREFECT_FLOW_RUN_ID``,
 ``GRPO_RUN_NAME`` (the experiment's name) and ``DVC_ROOT`` (the user's repository, where the MLflow
 database lives, also when the stages run in an experiment's temporary copy).
+
+Stopping: each ``dvc repro`` starts in its own process group, so a signal reaches the stages only
+through the flow: :func:`stop_stages` forwards the flow's SIGINT or SIGTERM to every running group
+(DVC, the stage and whatever the stage started), waits for them (at most ``STOP_TIMEOUT_S``, then
+SIGKILL) and lets no stage start afterwards; a stopped stage's task ends Cancelled. The stages keep
+their resume state (``checkpoints/<stage>.resume``: not a DVC out, so DVC leaves it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,13 +42,14 @@ from typing import Any
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
-from prefect.states import State
+from prefect.states import Cancelled, State
 
-from pipeline.config import STAGES
+from pipeline.config import CHECKPOINT_DIR, STAGES
 from pipeline.errors import InputError
 from pipeline.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, RUN_NAME_ENV, TrackingUnavailableError
 
 RETRY_DELAYS_S = [5, 30]
+STOP_TIMEOUT_S = 30.0  # the most a stop waits for the stages after forwarding a signal (then SIGKILL)
 TRANSIENT_NAMES = {"ConnectionError", "Timeout", "ConnectTimeout", "ReadTimeout", "ConnectTimeoutError",
                    "ReadTimeoutError", "NewConnectionError", "MaxRetryError", "RemoteDisconnected",
                    "ChunkedEncodingError", "IncompleteRead", "ProtocolError", "HfHubHTTPError",
@@ -52,6 +62,85 @@ class StageFailed(RuntimeError):
 
 class TransientStageError(StageFailed):
     """The stage failed on a network error (a download): worth another try."""
+
+
+class StageInterrupted(RuntimeError):
+    """The flow stopped the stage (it forwarded a SIGINT or SIGTERM): not a failure, never retried."""
+
+
+# --------------------------------------------------------------------------- stopping the stages
+
+_running: dict[int, str] = {}  # process group (the `dvc repro` pid) -> stage name
+_running_lock = threading.Lock()
+_stop: dict[str, Any] = {}  # "signal" a stop forwarded, "stages" it stopped; empty while no stop was asked
+
+
+def reset_stop() -> None:
+    """Forget an earlier stop (a new flow run in the same process)."""
+    with _running_lock:
+        _stop.clear()
+
+
+def stopped_by() -> int | None:
+    """The signal the last stop forwarded, or None."""
+    return _stop.get("signal")
+
+
+def stopped_stages() -> list[str]:
+    """The stages the last stop found running."""
+    return list(_stop.get("stages", []))
+
+
+def _start(name: str, cmd: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start ``cmd`` as the leader of a new process group, unless a stop was asked (then no stage starts)."""
+    with _running_lock:
+        if _stop:
+            raise StageInterrupted(f"{name}: not started: the flow is stopping ({signal.Signals(_stop['signal']).name})")
+        proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+        _running[proc.pid] = name
+    return proc
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_groups(groups: list[int], sig: int) -> None:
+    for pgid in groups:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_stages(sig: int, timeout: float = STOP_TIMEOUT_S) -> list[str]:
+    """Forward ``sig`` (SIGINT stays SIGINT; anything else becomes SIGTERM) to every running stage's
+    process group, then wait until they are gone; after ``timeout`` s SIGKILL what is left. No stage
+    starts afterwards. Returns the stages that were running. A stage stopped this way keeps its resume
+    state; its MLflow run ends KILLED (the stage's own handler) or, if SIGKILLed, at the next run's start."""
+    with _running_lock:
+        groups = dict(_running)
+        _stop.update({"signal": sig, "stages": sorted(set(groups.values()))})
+    _signal_groups(list(groups), signal.SIGINT if sig == signal.SIGINT else signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    try:
+        while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:  # also when a second signal cuts the wait short: nothing of a stage outlives the flow
+        _signal_groups([g for g in groups if _group_alive(g)], signal.SIGKILL)
+    return stopped_stages()
+
+
+def resume_note(name: str, workdir: str | Path) -> str:
+    """Where a stopped stage's resume state is, when it left one."""
+    resume = Path(workdir) / CHECKPOINT_DIR / f"{name}.resume"
+    return f"; its resume state is kept in {resume}" if resume.is_dir() and any(resume.iterdir()) else ""
 
 
 # --------------------------------------------------------------------------- retry conditions
@@ -144,13 +233,21 @@ def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = No
     bin_dir = str(Path(sys.executable).parent)  # `python` in dvc.yaml's commands: this environment's
     full_env["PATH"] = bin_dir + os.pathsep + full_env.get("PATH", "")
     lines: list[str] = []
-    with subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, errors="replace", bufsize=1) as proc:
-        for raw in proc.stdout:
-            for line in raw.replace("\r", "\n").splitlines():  # progress bars redraw with \r
-                if line.strip():
-                    lines.append(line.rstrip())
-                    log.info(line.rstrip())
+    # its own process group: a terminal's Ctrl-C reaches the flow alone, which stops the stages itself
+    proc = _start(name, cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                  text=True, errors="replace", bufsize=1)
+    try:
+        with proc:
+            for raw in proc.stdout:
+                for line in raw.replace("\r", "\n").splitlines():  # progress bars redraw with \r
+                    if line.strip():
+                        lines.append(line.rstrip())
+                        log.info(line.rstrip())
+    finally:
+        with _running_lock:
+            _running.pop(proc.pid, None)
+    if proc.returncode != 0 and stopped_by() is not None:
+        raise StageInterrupted(f"{name}: stopped by {signal.Signals(stopped_by()).name}{resume_note(name, workdir)}")
     if proc.returncode != 0:
         raise failure(name, lines, proc.returncode)
     status = stage_status(name, "\n".join(lines))
@@ -187,7 +284,11 @@ def _stage_task(name: str, retry, doc: str) -> Task:
             # DVC's `dvc status` at the start of the run said up to date, and nothing upstream has run since
             _logger().info(f"{name}: skipped (DVC's decision: dvc status reports it up to date)")
             return {"stage": name, "status": "skipped", "workdir": str(workdir)}
-        return run_dvc_stage(name, workdir, stage_env(parent_run_id, run_name, root))
+        try:
+            return run_dvc_stage(name, workdir, stage_env(parent_run_id, run_name, root))
+        except StageInterrupted as exc:  # the task ends Cancelled: not a failure, not retried
+            _logger().warning(str(exc))
+            return Cancelled(message=str(exc))
 
     run.__doc__ = doc
     run.__name__ = run.__qualname__ = name

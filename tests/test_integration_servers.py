@@ -2,7 +2,11 @@
 
 - a Prefect server + `python -m flows.serve` (cron deployment), a run triggered with run_deployment;
 - an MLflow server the smoke pipeline logs to; metric histories read back with MlflowClient, and
-  fail-fast when the server is gone.
+  fail-fast when the server is gone;
+- a flow stopped as a terminal's Ctrl-C (SIGINT to its process group) or systemd/Docker/Kubernetes
+  (SIGTERM to its process alone) stops, with a real and with the temporary Prefect API, and a
+  stopped experiment resumes;
+- an MLflow server behind a lagging proxy: a stage's run still ends FINISHED with every point.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -20,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import STAGES
-from tests.conftest import QUIET_ENV, copy_repo, task_runs_of
+from tests.conftest import QUIET_ENV, copy_repo, sh, task_runs_of
 
 pytestmark = pytest.mark.integration
 
@@ -209,3 +215,311 @@ def test_smoke_pipeline_logs_to_mlflow_server(tmp_path, mlflow_server):
     assert {p: (repo / p).read_bytes() for p in outputs} == before
     assert not (repo / "checkpoints" / "grpo.resume").exists()
     print(json.dumps({"runs": len(runs)}))
+
+
+# --------------------------------------------------------------------------- stopping a flow
+
+STOPPABLE_STAGE = """import json, os, shutil, signal, subprocess, sys, time
+name = sys.argv[1]
+os.makedirs("out", exist_ok=True)
+if name == "grpo":  # a long stage with a child of its own that resumes from a state saved every step
+    child = subprocess.Popen(["sleep", "600"])
+    for what, pid in (("pid", os.getpid()), ("child", child.pid)):
+        with open(f"out/grpo.{what}", "w") as f:
+            f.write(str(pid))
+    def stop(sig, frame):
+        with open("out/grpo.signal", "w") as f:
+            f.write(signal.Signals(sig).name)
+        sys.exit(128 + sig)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    os.makedirs("checkpoints/grpo.resume", exist_ok=True)
+    step = len(os.listdir("checkpoints/grpo.resume"))
+    if step:
+        print(f"grpo resumed from step {step}", flush=True)
+    while step < int(os.environ.get("GRPO_STEPS", "1000000")):
+        step += 1
+        os.makedirs(f"checkpoints/grpo.resume/step_{step:06d}")
+        print(f"grpo {step}", flush=True)
+        time.sleep(0.2)
+    shutil.rmtree("checkpoints/grpo.resume")
+    child.kill()
+with open(f"out/{name}.json", "w") as f:
+    json.dump({"end": time.time()}, f)
+"""
+
+
+def stoppable_repo(root: Path) -> Path:
+    """A git + DVC copy of the repo (smoke params, tracking on) whose dvc.yaml has the pipeline's stages
+    and graph, each a tiny script; grpo runs until stopped (or GRPO_STEPS steps), saving a resume state
+    each step, and records the signal it got."""
+    import yaml
+
+    from flows.experiment import apply_overrides
+    from flows.grpo_pipeline import stage_graph
+    from tests.conftest import REPO
+
+    repo = copy_repo(root)
+    (repo / "stage.py").write_text(STOPPABLE_STAGE)
+    stages = {name: {"cmd": f"python stage.py {name}", "deps": ["stage.py", *(f"out/{u}.json" for u in ups)],
+                     "outs": [{f"out/{name}.json": {"cache": False}}]} for name, ups in stage_graph(REPO).items()}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    apply_overrides(repo / "params.yaml", ["tracking.enabled=true", "tracking.experiment=stops"])
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "stoppable stages")
+    return repo
+
+
+def kill_leftovers(out: Path) -> None:
+    """SIGKILL what a tiny grpo stage started and a failed test left running (its own pids only)."""
+    for what in ("pid", "child"):
+        f = out / f"grpo.{what}"
+        if f.is_file():
+            try:
+                os.kill(int(f.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def stop_flow_in_grpo(repo: Path, env: dict, sig: int, args: tuple = (), where=None) -> tuple[int, float, str, Path]:
+    """Start `python -m flows.grpo_pipeline` in its own process group (a terminal's job), wait until grpo
+    has saved 3 more steps in the folder the stages run in (`where()`: default the repo), then send `sig`:
+    SIGINT to the group (Ctrl-C), SIGTERM to the flow's process alone. Returns (exit status, seconds
+    from the signal to the exit, output, that folder)."""
+    where = where or (lambda: repo)
+    log = repo.parent / f"flow-{time.monotonic_ns()}.log"
+    (repo / "out" / "grpo.signal").unlink(missing_ok=True)
+    kept = repo / "checkpoints" / "grpo.resume"  # a state kept by a stopped run: wait for 3 steps more
+    step = f"step_{len(list(kept.iterdir())) + 3 if kept.is_dir() else 3:06d}"
+    proc = subprocess.Popen([sys.executable, "-m", "flows.grpo_pipeline", *args], cwd=repo, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    work = None
+    try:
+        deadline = time.monotonic() + 300
+        while not (work := where()) or not (work / "checkpoints" / "grpo.resume" / step).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else os.kill(proc.pid, sig)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the flow had not exited 60 s after {signal.Signals(sig).name}: {log.read_text()[-3000:]}")
+        return code, time.monotonic() - t0, log.read_text(), work
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if work is not None:
+            kill_leftovers(work / "out")
+
+
+def assert_stopped(work: Path, sig: int, code: int, seconds: float, output: str) -> None:
+    """The stop as a user should see it: prompt, exit 128 + signal, one last line saying what to run, no
+    traceback; the stage got the signal (its own child too), nothing started after it, its resume kept."""
+    name = signal.Signals(sig).name
+    last = output.strip().splitlines()[-2:]  # then Prefect's "Stopping temporary server" line, if any
+    assert code == 128 + sig, output[-3000:]
+    assert seconds < 30, (seconds, output[-3000:])
+    assert any(line.startswith(f"interrupted by {name}: stopped grpo") and "again to resume" in line
+               for line in last), last
+    assert "Traceback" not in output and "StageFailed" not in output
+    assert (work / "out" / "grpo.signal").read_text() == name
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((work / "out" / "grpo.child").read_text()), 0)
+    assert not (work / "out" / "evaluate.json").exists()
+    assert (work / "checkpoints" / "grpo.resume" / "step_000003").is_dir()
+
+
+def parent_statuses(repo: Path) -> list[str]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("stops")
+    runs = client.search_runs([exp.experiment_id], "tags.`grpo.role` = 'pipeline'", order_by=["attributes.start_time ASC"])
+    return [r.info.status for r in runs]
+
+
+def flow_env(repo: Path, **extra: str) -> dict[str, str]:
+    env = {**base_env(repo), "PREFECT_HOME": str(repo.parent / "prefect_home"), **extra}
+    for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "GRPO_LOCK_TOKEN"):
+        env.pop(k, None)
+    return {**env, **extra}
+
+
+@pytest.mark.slow
+def test_sigterm_and_ctrl_c_stop_the_flow_and_its_stages_then_it_resumes(tmp_path, prefect_server):
+    """SIGTERM to the flow's process, then Ctrl-C to its process group, each while grpo runs: the flow
+    forwards the signal to the stage (and the stage's own child), starts nothing after it, keeps its
+    resume state, ends its MLflow parent KILLED and its Prefect run Cancelled, and exits 128 + signal
+    in seconds with one line; the re-run resumes grpo from the kept state."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    repo = stoppable_repo(tmp_path / "repo")
+    env = flow_env(repo, PREFECT_API_URL=prefect_server["url"])
+    outputs = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        code, seconds, output, _ = stop_flow_in_grpo(repo, env, sig)
+        print(f"{signal.Signals(sig).name}: the flow exited {seconds:.1f} s after the signal")
+        assert_stopped(repo, sig, code, seconds, output)
+        outputs.append(output)
+    assert "grpo resumed from step" not in outputs[0] and "grpo resumed from step" in outputs[1]
+    assert parent_statuses(repo) == ["KILLED", "KILLED"]
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+        with get_client(sync_client=True) as client:
+            states = [r.state for r in client.read_flow_runs()]
+    assert [s.type.value for s in states] == ["CANCELLED", "CANCELLED"], states
+    assert {s.message.split(":")[0] for s in states} == {"interrupted by SIGTERM", "interrupted by SIGINT"}
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_the_temporary_api_returns_in_seconds_and_cancels_the_run(tmp_path):
+    """No PREFECT_API_URL: Prefect's temporary API is out of the Ctrl-C's reach, so the flow reports its
+    run Cancelled to it and returns in seconds (it used to die with the Ctrl-C: 226 s, run left RUNNING)."""
+    repo = stoppable_repo(tmp_path / "repo")
+    code, seconds, output, _ = stop_flow_in_grpo(repo, flow_env(repo), signal.SIGINT)
+    print(f"Ctrl-C with the temporary API: the flow exited {seconds:.1f} s after it")
+    assert_stopped(repo, signal.SIGINT, code, seconds, output)
+    assert parent_statuses(repo) == ["KILLED"]
+    with sqlite3.connect(tmp_path / "prefect_home" / "prefect.db") as db:
+        assert db.execute("select state_type from flow_run").fetchall() == [("CANCELLED",)]
+
+
+def kill_9_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (the stages run in process groups of their own)."""
+    import psutil
+
+    tree = [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]
+    for proc in tree:
+        proc.kill()
+    psutil.wait_procs(tree, timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "kill -9"])
+def test_a_stopped_experiment_resumes_in_the_next_run_with_its_overrides(tmp_path, how):
+    """An experiment (a run with --set) stopped by SIGTERM, or killed outright, leaves its copy with the
+    resume state; the next run with the same overrides takes that state (grpo resumes, not from step 1),
+    saves the experiment and leaves no copy behind."""
+    repo = stoppable_repo(tmp_path / "repo")
+    args = ("--set", "grpo.kl_coef=0.07")
+
+    def copies() -> list[Path]:
+        listed = sh(repo, "git", "worktree", "list", "--porcelain").splitlines()
+        return [Path(x.split(" ", 1)[1]) for x in listed if x.startswith("worktree ")][1:]
+
+    env = flow_env(repo)
+    if how == "SIGTERM":
+        code, seconds, output, work = stop_flow_in_grpo(repo, env, signal.SIGTERM, args, lambda: next(iter(copies()), None))
+        assert_stopped(work, signal.SIGTERM, code, seconds, output)
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.grpo_pipeline", *args], cwd=repo, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not copies() or not (copies()[0] / "checkpoints" / "grpo.resume" / "step_000003").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        kill_9_tree(proc.pid)
+        proc.wait()
+        work = copies()[0]
+    assert copies() == [work] and (work / "checkpoints" / "grpo.resume" / "step_000003").is_dir()
+
+    second = subprocess.run([sys.executable, "-m", "flows.grpo_pipeline", *args], cwd=repo,
+                            env={**env, "GRPO_STEPS": "6"}, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert "grpo resumed from step" in second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
+    assert "saved: dvc exp show" in second.stdout and copies() == []
+
+
+# --------------------------------------------------------------------------- a lagging MLflow server
+
+class LaggingProxy:
+    """A TCP proxy on 127.0.0.1 that holds each chunk the server sends for `delay` s: a server that
+    answers every call, slowly (a loaded host, a far region)."""
+
+    def __init__(self, target_port: int, delay: float):
+        self.target, self.delay = target_port, delay
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            while data := src.recv(65536):
+                time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+LOGGING_STAGE = """import sys
+from pipeline.config import Config, TrackingConfig
+from pipeline.tracking import stage_logger
+cfg = Config(tracking=TrackingConfig(enabled=True, uri=sys.argv[1], experiment="lag"))
+with stage_logger(cfg, sys.argv[2]) as log:
+    for step in range(1, int(sys.argv[3]) + 1):
+        log.log_metrics({"train/reward": step / 100}, step=step)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end_timeout", [None, "2"])
+def test_a_lagging_server_costs_time_not_a_finished_runs_end_or_its_points(tmp_path, mlflow_server, end_timeout):
+    """A stage logs 60 points to a server that answers each call 0.25 s late, then ends well: its run
+    ends FINISHED with all 60 points, after the next stage's start (its sweep of runs left RUNNING).
+    By default the stage waits for the server (a progress line while it does; the old 10 s flush gave
+    up, and the sweep marked the run KILLED); with a 2 s bound (GRPO_TRACKING_END_TIMEOUT_S) it saves
+    what is left, and the next stage's start (the lag over) delivers it."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import REPO
+
+    proxy = LaggingProxy(int(mlflow_server.rsplit(":", 1)[1]), delay=0.25)
+    env = {**base_env(REPO), **({"GRPO_TRACKING_END_TIMEOUT_S": end_timeout} if end_timeout else {})}
+    for k in ("MLFLOW_TRACKING_URI", "DVC_ROOT", "GRPO_PARENT_RUN_ID"):
+        env.pop(k, None)
+    try:
+        t0 = time.monotonic()
+        first = subprocess.run([sys.executable, "-c", LOGGING_STAGE, proxy.url, "grpo", "60"], cwd=tmp_path,
+                               env=env, capture_output=True, text=True, timeout=300)
+        print(f"the stage took {time.monotonic() - t0:.0f} s against the lagging server; stderr: {first.stderr}")
+        assert first.returncode == 0, first.stderr[-3000:]
+        pending = list((tmp_path / "mlruns" / "pending").glob("*"))
+        proxy.delay = 0.02  # the lag has passed when the next stage starts
+        env.pop("GRPO_TRACKING_END_TIMEOUT_S", None)
+        second = subprocess.run([sys.executable, "-c", LOGGING_STAGE, proxy.url, "evaluate", "0"], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stderr[-3000:]
+    finally:
+        proxy.close()
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = client.get_experiment_by_name("lag")
+    (grpo,) = client.search_runs([exp.experiment_id], "tags.`grpo.stage` = 'grpo'")
+    history = client.get_metric_history(grpo.info.run_id, "grpo/reward")
+    assert (grpo.info.status, len(history)) == ("FINISHED", 60), (first.stderr, second.stderr)
+    assert [m.step for m in history] == list(range(1, 61))
+    # waited, saying so (default); or saved what was left (2 s bound), and the next start delivered it
+    assert (len(pending) == 1) if end_timeout else (not pending and "is slow:" in first.stderr), first.stderr
+    assert not list((tmp_path / "mlruns" / "pending").glob("*"))

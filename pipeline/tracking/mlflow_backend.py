@@ -12,9 +12,10 @@ Tags use MLflow's names: ``mlflow.source.git.commit`` (the commit when the pipel
 stage copies its parent's), ``mlflow.runName``, ``mlflow.parentRunId``; ours are ``grpo.role``
 (pipeline / stage), ``grpo.stage``, ``grpo.dirty``, ``grpo.workspace``, ``grpo.experiment``.
 
-No run stays RUNNING. A stage that raises marks its run FAILED (KILLED on Ctrl-C); a process
-killed outright cannot, so every run records its process (``grpo.host``, ``grpo.pid``) and every
-new run first marks KILLED the RUNNING runs whose process is gone from this host.
+No run stays RUNNING. A stage that raises marks its run FAILED (KILLED on Ctrl-C or SIGTERM); a
+process killed outright cannot, so every run records its process (``grpo.host``, ``grpo.pid``) and
+every new run first marks KILLED the RUNNING runs whose process is gone from this host, except
+those whose end is among the calls saved for later (below): it makes those calls instead.
 
 Failure policy: the tracking backend is probed when a stage starts, *before* any training; an
 unreachable server raises :class:`TrackingUnavailableError` (an ``InputError``: one line, exit 2)
@@ -23,8 +24,13 @@ through one logging thread (:class:`MlflowLogger`), so the training loop never w
 A failure while logging warns once and turns off calls of the same kind (metrics, tables,
 artifacts, tags) for that stage: training is never lost for the sake of a metric, and a broken
 artifact store does not take the metrics with it; a server that stops answering warns once and
-turns tracking off for the stage. At the stage's end the queue is flushed for at most
-``FLUSH_TIMEOUT_S``, then given up with one warning. MLflow's own HTTP knobs bound every call:
+turns tracking off for the stage. A run's end is never dropped: at the stage's end the run's end
+is queued behind its last metrics and checkpoint, and the stage waits for them while the server
+answers, at most ``END_TIMEOUT_S`` (120 s; ``GRPO_TRACKING_END_TIMEOUT_S``; 5 s for a failed or
+interrupted stage), with a progress line every 10 s. Whatever is not delivered by then, or to a
+server that stopped answering, is saved under ``mlruns/pending/`` at the repository root; the
+next run that starts here (a stage, a parent) makes those calls first (at most
+``PENDING_TIMEOUT_S``), so the run ends FINISHED with all its metrics. MLflow's own HTTP knobs bound every call:
 ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (default here 30 s) and ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``
 (default here 2; MLflow's own default retries with backoff for minutes). A URI that cannot work
 (an unknown scheme, a file store, an sqlite path that cannot be written) is refused at once.
@@ -43,11 +49,13 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.lock import pid_alive
-from pipeline.tracking.common import FLOW_RUN_ENV, PARENT_RUN_ENV, experiment_label, git_state, run_name, runtime_tags
-from pipeline.tracking.mlflow_client import (COMMIT_TAG, HOST_TAG, PID_TAG, ROLE_TAG, STAGE_TAG, TRAINING_STAGES,
+from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, experiment_label, git_state, repo_root, run_name,
+                                      runtime_tags)
+from pipeline.tracking.mlflow_client import (COMMIT_TAG, END_TIMEOUT_S, HOST_TAG, PENDING_TIMEOUT_S, PID_TAG,
+                                             ROLE_TAG, STAGE_TAG, STOPPED_END_TIMEOUT_S, TRAINING_STAGES,
                                              WORKSPACE_TAG, _log_params, _no_http_retries, _params, _unavailable,
                                              client_for, experiment_id, probe, tracking_uri)
-from pipeline.tracking.mlflow_logger import MlflowLogger
+from pipeline.tracking.mlflow_logger import PENDING_DIR, MlflowLogger, load_pending
 from pipeline.tracking.mlflow_models import log_checkpoint, tag_model_with_eval
 
 
@@ -70,14 +78,36 @@ def _git_tags() -> dict[str, str]:
     return {COMMIT_TAG: commit, "grpo.dirty": str(dirty).lower()} if commit else {}
 
 
-def close_stale_runs(client, exp_id: str) -> list[str]:
+def deliver_pending(client, uri: str, timeout: float = PENDING_TIMEOUT_S) -> None:
+    """Make the calls earlier runs saved because the server did not take them in time (their ends
+    among them), oldest first; what still fails is saved again for the next run."""
+    for path, record in load_pending(uri):
+        log = MlflowLogger(client, record["run_id"], uri)
+        for call in record["calls"]:
+            log._put(call)
+        log.finish(timeout)  # what it does not make is saved anew (<run>.pkl)
+        path.unlink(missing_ok=True)
+
+
+def pending_runs() -> set[str]:
+    """The runs whose end is still among the saved calls (any server's): never marked KILLED."""
+    folder = repo_root() / PENDING_DIR
+    return {p.name.split(".", 1)[0] for p in folder.iterdir()} if folder.is_dir() else set()
+
+
+def close_stale_runs(client, exp_id: str, uri: str | None = None) -> list[str]:
     """Mark KILLED the runs left RUNNING by a process that is gone (its pid, recorded on the run, is
-    dead on this host); returns their ids. Runs of live processes, here or on other hosts, stay."""
+    dead on this host); returns their ids. Runs of live processes, here or on other hosts, stay. With
+    ``uri``, the calls earlier runs saved for it are made first, so a run whose end was among them
+    ends with its own status; a run whose end is still saved is not touched."""
+    if uri:
+        deliver_pending(client, uri)
     host = socket.gethostname().replace("'", "")
     found = client.search_runs([exp_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'",
                                max_results=500)
+    pending = pending_runs()
     stale = [r.info.run_id for r in found if r.data.tags.get(PID_TAG, "").isdigit()
-             and not pid_alive(int(r.data.tags[PID_TAG]))]
+             and not pid_alive(int(r.data.tags[PID_TAG])) and r.info.run_id not in pending]
     for run_id in stale:
         client.set_terminated(run_id, status="KILLED")
     return stale
@@ -92,7 +122,7 @@ def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str
     exp_id = experiment_id(cfg, client)
     try:
         with _no_http_retries():
-            close_stale_runs(client, exp_id)
+            close_stale_runs(client, exp_id, uri)
             all_tags = {**_base_tags("pipeline"), **_git_tags(), **(tags or {})}
             run = client.create_run(exp_id, tags=all_tags, run_name=name or run_name(cfg))
     except Exception as exc:
@@ -108,7 +138,10 @@ def end_pipeline_run(cfg: Config, run_id: str, status: str = "FINISHED") -> None
     uri = tracking_uri(cfg)
     try:
         probe(uri)
-        _end_pipeline_run(client_for(uri), run_id, status)
+        client = client_for(uri)
+        with _no_http_retries():
+            deliver_pending(client, uri)  # the stages' last metrics, before they are copied onto the parent
+        _end_pipeline_run(client, run_id, status)
     except Exception as exc:
         msg = " ".join(str(exc).split())[:200]
         print(f"warning: MLflow at {uri}: could not close the pipeline run {run_id} ({type(exc).__name__}: "
@@ -153,7 +186,7 @@ def run_link(cfg: Config, parent_id: str | None, stage: str) -> str | None:
 
 def _open_stage_run(client, exp_id: str, cfg: Config, stage: str) -> str:
     parent_id = os.environ.get(PARENT_RUN_ENV) or None
-    close_stale_runs(client, exp_id)
+    close_stale_runs(client, exp_id, tracking_uri(cfg))
     tags = {**_base_tags("stage"), STAGE_TAG: stage}
     if parent_id:  # the commit when the pipeline started, not now
         parent = client.get_run(parent_id)
@@ -187,9 +220,8 @@ def mlflow_stage_logger(cfg: Config, stage: str) -> Iterator[MlflowLogger]:
             grpo = {k[len(prefix):]: v for k, v in log.last.items() if k.startswith(prefix)}
             log._guard("tag_model", tag_model_with_eval, cfg, grpo)
     except BaseException as exc:
-        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
-        log._guard("set_terminated", client.set_terminated, run_id, status=status)
-        log.close()
+        log.end("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", STOPPED_END_TIMEOUT_S)
         raise
-    log._guard("set_terminated", client.set_terminated, run_id, status="FINISHED")
-    log.close()  # bounded: a dead server costs at most FLUSH_TIMEOUT_S here
+    # bounded: a lagging server costs at most END_TIMEOUT_S here, a dead one seconds; what it did not
+    # take (the run's end among it) is saved, and the next run here makes it
+    log.end("FINISHED", END_TIMEOUT_S)

@@ -16,7 +16,13 @@ from pipeline.tracking.common import TrackingUnavailableError, resolve_uri, temp
 
 
 PROBE_TIMEOUT_S = 5.0
-FLUSH_TIMEOUT_S = 10.0  # the most a stage waits at its end for queued tracking calls
+FLUSH_TIMEOUT_S = 10.0  # the default bound of MlflowLogger.flush
+# The most a finished stage waits for a server that answers but lags to take its queued calls (its
+# last metrics, checkpoint, the run's end); after that they are saved and a later run makes them.
+END_TIMEOUT_S = float(os.environ.get("GRPO_TRACKING_END_TIMEOUT_S") or 120.0)
+STOPPED_END_TIMEOUT_S = 5.0  # the same for a failed or interrupted stage: a stop must be prompt
+PROGRESS_S = 10.0  # a line on stderr this often while a stage waits on the server at its end
+PENDING_TIMEOUT_S = 30.0  # the most a run's start spends making the calls earlier runs saved
 ROLE_TAG = "grpo.role"  # "pipeline" on parents, "stage" on stage runs
 STAGE_TAG = "grpo.stage"
 WORKSPACE_TAG = "grpo.workspace"

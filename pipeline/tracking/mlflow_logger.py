@@ -1,19 +1,70 @@
 """The stage logger: one logging thread per MLflow run and its failure policy (see
-:mod:`pipeline.tracking.mlflow_backend`).
+:mod:`pipeline.tracking.mlflow_backend`), and the calls a run could not deliver in time, saved for
+a later run to make (:func:`save_pending`, :func:`load_pending`).
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import pickle
 import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.tracking.common import TrackingUnavailableError, temporary_env
-from pipeline.tracking.mlflow_client import FLUSH_TIMEOUT_S, _log_params, _unreachable, probe
+from pipeline.files import write_bytes_atomic
+from pipeline.lock import pid_alive
+from pipeline.tracking.common import TrackingUnavailableError, repo_root, temporary_env
+from pipeline.tracking.mlflow_client import (END_TIMEOUT_S, FLUSH_TIMEOUT_S, PROGRESS_S, _log_params, _unreachable,
+                                             probe)
+
+PENDING_DIR = Path("mlruns") / "pending"  # under the repository root (git-ignored): one file per run
+
+
+@dataclass(frozen=True)
+class WithLogger:
+    """A queued call of a module-level function that takes the logger first. Unlike a closure or a
+    bound client method it pickles, so a call the server did not take in time can be saved."""
+
+    func: Callable[..., Any]
+
+
+class ClientMethod:
+    """A method of the run's client, bound when the call is queued and pickled by its name only, so
+    a later process making the saved call binds it to its own client."""
+
+    def __init__(self, name: str, bound: Callable[..., Any] | None = None):
+        self.name, self.bound = name, bound
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "bound": None}
+
+
+def _savable(call: tuple) -> bool:
+    """Whether a queued call pickles (client methods by name, :class:`WithLogger`, module-level
+    functions, plain data): what :func:`save_pending` can keep."""
+    try:
+        pickle.dumps(call)
+    except Exception:
+        return False
+    return True
+
+
+def _log_params_of(log: MlflowLogger, params: dict[str, Any]) -> None:
+    _log_params(log.client, log.run_id, params)
+
+
+def _log_table_quietly(log: MlflowLogger, log_table: ClientMethod, frame, artifact: str) -> None:
+    """Appending downloads the table first, and MLflow draws a progress bar for that download on
+    stderr: one per logged iteration in the stage's output. Off unless the user asked for it."""
+    bar = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    with temporary_env({bar: os.environ.get(bar) or "false"}):
+        log._resolve(log_table)(log.run_id, frame, artifact)
 
 
 # --------------------------------------------------------------------------- stage logger
@@ -25,7 +76,11 @@ class MlflowLogger:
     Every call is queued for one logging thread: the training thread never waits on the server.
     A failing call warns once and turns off calls of its kind; a server that stops answering
     (connection refused, timeouts) warns once and turns all of them off. :meth:`close` waits at
-    most FLUSH_TIMEOUT_S for what is queued, then gives up with one warning."""
+    most FLUSH_TIMEOUT_S for what is queued, then gives up with one warning; :meth:`end` ends the
+    run, waits longer for a server that answers, and saves what it could not deliver.
+
+    A queued ``fn`` is a callable, a :class:`ClientMethod` (or its name) or a :class:`WithLogger`;
+    the last two can be saved and made by another process (see :func:`save_pending`)."""
 
     def __init__(self, client, run_id: str, uri: str):
         self.client, self.run_id, self.uri = client, run_id, uri
@@ -34,6 +89,8 @@ class MlflowLogger:
         self._down_lock = threading.Lock()
         self.last: dict[str, float] = {}  # the last value of every metric logged
         self._queue: queue.Queue = queue.Queue()
+        self._unmade: collections.deque = collections.deque()  # queued calls not made yet, in order
+        self._unmade_lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=f"mlflow-{run_id[:8]}", daemon=True)
         self._thread.start()
 
@@ -44,29 +101,54 @@ class MlflowLogger:
                 return
             if what == "__flush__":
                 fn()
-            else:
-                self._call(what, fn, *args, **kwargs)
+            elif self._call(what, self._resolve(fn), *args, **kwargs):
+                with self._unmade_lock:
+                    self._unmade.popleft()  # calls are made in queue order: this one was first
+
+    def _resolve(self, fn):
+        if isinstance(fn, str):
+            return getattr(self.client, fn)
+        if isinstance(fn, ClientMethod):
+            return fn.bound or getattr(self.client, fn.name)
+        if isinstance(fn, WithLogger):
+            return lambda *args, **kwargs: fn.func(self, *args, **kwargs)
+        return fn
+
+    def _method(self, name: str) -> ClientMethod:
+        return ClientMethod(name, getattr(self.client, name))
 
     def _guard(self, what: str, fn, *args, **kwargs) -> None:
-        """Queue `fn(*args, **kwargs)` for the logging thread (skipped if its kind failed before)."""
+        """Queue `fn(*args, **kwargs)` for the logging thread (skipped if its kind failed before);
+        `fn` a callable, a :class:`ClientMethod` or a :class:`WithLogger`."""
         if not (self._down or what in self._broken):
-            self._queue.put((what, fn, args, kwargs))
+            self._put((what, fn, args, kwargs))
 
-    def _call(self, what: str, fn, *args, **kwargs) -> None:
+    def _put(self, item: tuple) -> None:
+        """Queue a call; once the server is down it is only kept (for :meth:`finish` to save)."""
+        with self._unmade_lock:
+            self._unmade.append(item)
+        if not self._down:
+            self._queue.put(item)
+
+    def _call(self, what: str, fn, *args, **kwargs) -> bool:
         """Call `fn`; if it fails, warn once and skip calls of the same kind for the rest of the stage
-        (all calls, if the server stopped answering). Training never stops for tracking."""
-        if self._down or what in self._broken:
-            return
+        (all calls, if the server stopped answering). Training never stops for tracking. False when
+        the call was not made for a server that is down (it stays for :meth:`finish` to save)."""
+        if self._down:
+            return False
+        if what in self._broken:
+            return True
         try:
             fn(*args, **kwargs)
         except Exception as exc:
             msg = " ".join(str(exc).split())[:200]
             if _unreachable(exc) or not self._answers():
                 self._mark_down(f"{type(exc).__name__}: {msg}")
-                return
+                return False
             self._broken.add(what)
             print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
                   f"{what} disabled for the rest of this stage", file=sys.stderr)
+        return True
 
     def _mark_down(self, reason: str) -> None:
         """The server stopped answering: skip every call from now on; warn once (the logging thread
@@ -88,25 +170,32 @@ class MlflowLogger:
             return False
         return True
 
-    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
-        """Wait up to `timeout` s for the queued calls; False (one warning, the rest dropped) if not done."""
+    def flush(self, timeout: float = FLUSH_TIMEOUT_S, progress: bool = False) -> bool:
+        """Wait up to `timeout` s for the queued calls; False (one warning, the rest dropped) if not
+        done. A server whose health check fails is not waited for. With `progress` (:meth:`finish`),
+        a line every PROGRESS_S s says how many calls are still queued and the health check is asked
+        again; the caller then saves what is left instead of a warning that it is lost."""
         done = threading.Event()
         self._queue.put(("__flush__", done.set, (), {}))
         start = time.monotonic()
-        deadline, probed = start + timeout, False
+        deadline, probe_at = start + timeout, start + 0.5
         while not done.wait(0.05):
-            if self._down or time.monotonic() > deadline:  # a dead server: nothing left worth waiting for
+            now = time.monotonic()
+            if self._down or now > deadline:  # a dead server: nothing left worth waiting for
                 break
             # a call still pending after half a second may be sitting in the HTTP client's retries
-            # against a server that is gone: ask its health check once rather than wait them out
-            if not probed and time.monotonic() - start > 0.5:
-                probed = True
+            # against a server that is gone: ask its health check rather than wait them out
+            if now >= probe_at:
+                probe_at = now + PROGRESS_S if progress else float("inf")
+                if progress and now - start >= PROGRESS_S:
+                    print(f"MLflow at {self.uri} is slow: {len(self._unmade)} tracking calls still queued after "
+                          f"{now - start:.0f} s (waiting at most {timeout:g} s)", file=sys.stderr)
                 if not self._answers():
                     self._mark_down("no answer to its health check at the end of the stage")
         else:
             return True
-        if not self._down:
-            print(f"warning: MLflow at {self.uri}: gave up after {timeout:g} s on {self._queue.qsize()} "
+        if not (self._down or progress):  # (with progress the caller saves what is left)
+            print(f"warning: MLflow at {self.uri}: gave up after {timeout:g} s on {len(self._unmade)} "
                   "queued tracking calls; the run's last metrics may be missing", file=sys.stderr)
         self._down = True
         return False
@@ -117,8 +206,30 @@ class MlflowLogger:
             self._queue.put(("__stop__", None, (), {}))
             self._thread.join(timeout)
 
+    def end(self, status: str, timeout: float = END_TIMEOUT_S) -> bool:
+        """End the run (FINISHED, FAILED, KILLED): its end is queued behind everything else, even when
+        tracking went off for this stage, then :meth:`finish`. True when the server took it all."""
+        self._put(("set_terminated", "set_terminated", (self.run_id,), {"status": status}))
+        return self.finish(timeout)
+
+    def finish(self, timeout: float = END_TIMEOUT_S) -> bool:
+        """Wait up to `timeout` s for the queued calls while the server answers, a progress line every
+        PROGRESS_S s. What it has not made by then (or when a signal cuts the wait short) is saved
+        for a later run (:func:`save_pending`) instead of dropped. True when all were made."""
+        done = False
+        try:
+            done = not self._down and self.flush(timeout, progress=True)
+        finally:
+            self._down = True  # the logging thread makes no further call (but the one in flight)
+            self._queue.put(("__stop__", None, (), {}))
+            with self._unmade_lock:
+                calls = [] if done else [c for c in self._unmade if c[0] not in self._broken and _savable(c)]
+            if calls:
+                save_pending(self, calls)
+        return done
+
     def log_params(self, params: dict[str, Any]) -> None:
-        self._guard("log_params", _log_params, self.client, self.run_id, params)
+        self._guard("log_params", WithLogger(_log_params_of), params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -132,14 +243,15 @@ class MlflowLogger:
                 continue
         self.last.update({m.key: m.value for m in items})
         if items:
-            self._guard("log_metrics", self.client.log_batch, self.run_id, metrics=items)
+            self._guard("log_metrics", self._method("log_batch"), self.run_id, metrics=items)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
         if path.is_dir():
-            self._guard("log_artifacts", self.client.log_artifacts, self.run_id, str(path), artifact_path or path.name)
+            self._guard("log_artifacts", self._method("log_artifacts"), self.run_id, str(path.resolve()),
+                        artifact_path or path.name)
         else:
-            self._guard("log_artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
+            self._guard("log_artifact", self._method("log_artifact"), self.run_id, str(path.resolve()), artifact_path)
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         """Rows to a JSON table artifact; a second call with the same name appends to it. Log many
@@ -148,19 +260,51 @@ class MlflowLogger:
         import pandas as pd
 
         artifact = name if name.endswith(".json") else f"{name}.json"
-        # Appending downloads the table first, and MLflow draws a progress bar for that download on
-        # stderr: one per logged iteration in the stage's output. Off unless the user asked for it.
-        bar = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-        log_table, frame = self.client.log_table, pd.DataFrame(rows)
-
-        def quiet_log_table() -> None:  # on the logging thread, where the download happens
-            with temporary_env({bar: os.environ.get(bar) or "false"}):
-                log_table(self.run_id, frame, artifact)
-
-        self._guard("log_table", quiet_log_table)
+        self._guard("log_table", WithLogger(_log_table_quietly), self._method("log_table"), pd.DataFrame(rows), artifact)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self._guard("set_tags", self.client.log_batch, self.run_id,
+        self._guard("set_tags", self._method("log_batch"), self.run_id,
                     tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
+
+
+# --------------------------------------------------------------------------- calls saved for later
+
+def pending_path(run_id: str) -> Path:
+    return repo_root() / PENDING_DIR / f"{run_id}.pkl"
+
+
+def save_pending(log: MlflowLogger, calls: list[tuple]) -> Path:
+    """Save the calls a run could not deliver (its end last) where the next run of this repository
+    finds them: it makes them and so ends the run with its own status, never KILLED for a slow server."""
+    path = write_bytes_atomic(pending_path(log.run_id), pickle.dumps({"uri": log.uri, "run_id": log.run_id,
+                                                                      "calls": calls}))
+    print(f"warning: MLflow at {log.uri}: {len(calls)} tracking calls of run {log.run_id} (its end among them) "
+          f"saved to {path}; the next run here makes them", file=sys.stderr)
+    return path
+
+
+def load_pending(uri: str) -> list[tuple[Path, dict[str, Any]]]:
+    """The saved calls for ``uri`` (each run's file and its record, one file per run). A file is taken by
+    renaming it to ``<run>.<pid>.taking``, so two stages starting side by side never make the same
+    calls twice; one whose taker died is taken again."""
+    folder = repo_root() / PENDING_DIR
+    files = [p for p in folder.iterdir() if p.suffix in (".pkl", ".taking")] if folder.is_dir() else []
+    out = []
+    for path in sorted(files):
+        run_id, _, rest = path.name.partition(".")
+        taker = rest.split(".")[0]
+        if path.suffix == ".taking" and (not taker.isdigit() or pid_alive(int(taker))):
+            continue  # another process is making these calls now
+        taken = path.with_name(f"{run_id}.{os.getpid()}.taking")
+        try:
+            path.rename(taken)
+            record = pickle.loads(taken.read_bytes())
+        except Exception:  # taken by another process just now, or unreadable: not ours to make
+            continue
+        if record.get("uri") != uri:  # another server's: leave it for a run that logs there
+            taken.rename(pending_path(run_id))
+            continue
+        out.append((taken, record))
+    return out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.config import CHECKPOINT_DIR, Config
 from pipeline.tracking.mlflow_client import CHECKPOINT_TAG, client_for, tracking_uri
-from pipeline.tracking.mlflow_logger import MlflowLogger
+from pipeline.tracking.mlflow_logger import MlflowLogger, WithLogger
 
 
 # --------------------------------------------------------------------------- models
@@ -36,11 +36,14 @@ def log_checkpoint(log: MlflowLogger, cfg: Config, stage: str) -> None:
         return
     log.log_artifact(folder, "checkpoint")
     if stage == "grpo" and cfg.tracking.registered_model:
-        def register() -> None:  # runs on the logging thread, after the upload it depends on
-            if "log_artifacts" not in log._broken:
-                _register(log.client, cfg.tracking.registered_model, log.run_id, sha)
+        log._guard("register_model", WithLogger(_register_uploaded), cfg.tracking.registered_model, sha)
 
-        log._guard("register_model", register)
+
+def _register_uploaded(log: MlflowLogger, name: str, sha: str) -> None:
+    """Register the run's checkpoint: on the logging thread, after the upload it depends on (or in a
+    later run making the calls this one saved), and only if that upload went through."""
+    if "log_artifacts" not in log._broken and log.client.list_artifacts(log.run_id, "checkpoint"):
+        _register(log.client, name, log.run_id, sha)
 
 
 def _register(client, name: str, run_id: str, sha: str) -> None:
