@@ -263,7 +263,10 @@ def test_a_tracking_server_killed_mid_run_does_not_hold_training_back(reference,
     # second for scheduling noise on a shared machine)
     assert t_tracked <= 1.5 * t_plain + 1.0, (t_tracked, t_plain)
     warnings = [line for line in err.splitlines() if line.startswith("warning: MLflow")]
-    assert len(warnings) == 1 and "stopped answering" in warnings[0], warnings
+    # one line says the server stopped answering; at most one more says where the calls it did not
+    # take (the run's end among them) were saved for the next run
+    assert len(warnings) in (1, 2) and "stopped answering" in warnings[0], warnings
+    assert all("saved to" in w and "mlruns/pending/" in w for w in warnings[1:]), warnings
     assert "Traceback" not in err
     # tracking never changes what is trained
     assert (tracked / "checkpoints" / "warmup" / "model.safetensors").read_bytes() == \

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -231,3 +232,51 @@ def test_prepare_is_a_stage_run_with_its_data_figures(store, tmp_path):
     assert m["data/arith_train_response_max_tokens"] >= m["data/arith_train_response_mean_tokens"] > 0
     assert run.data.params["data.val_size"] == "20"
     assert "stats.json" in {a.path for a in client(store).list_artifacts(run.info.run_id)}
+
+
+def test_saved_calls_are_json_data_that_a_later_run_delivers_and_a_foreign_file_is_not_run(store, tmp_path):
+    """What a slow server did not take is saved as JSON (metrics, tags, params, a table, the run's end)
+    and delivered by the next run; a file that names any other function, or is a pickle, is left alone."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking.mlflow_backend import deliver_pending, pending_runs
+    from pipeline.tracking.mlflow_logger import PENDING_DIR, MlflowLogger
+
+    c = MlflowClient(tracking_uri=store)
+    exp = c.create_experiment("saved-calls")
+    run_id = c.create_run(exp).info.run_id
+    class Stuck:  # a server that takes no call: every call waits forever
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: threading.Event().wait()
+
+    log = MlflowLogger(Stuck(), run_id, store)
+    log.log_params({"grpo.lr": 1e-5, "model.name": "tiny"})
+    log.log_metrics({"reward": 0.5, "kl": float("nan"), "skipped": None}, step=3)
+    log.set_tags({"grpo.note": "saved"})
+    log.log_table([{"q": "1+1", "ok": True}], "samples")
+    assert log.end("FINISHED", timeout=0.5) is False
+    saved = tmp_path / PENDING_DIR / f"{run_id}.json"
+    record = json.loads(saved.read_text())  # plain JSON: nothing in it runs when it is read
+    assert record["run_id"] == run_id and [c[0] for c in record["calls"]] == [
+        "log_params", "log_metrics", "set_tags", "log_table", "set_terminated"]
+    assert pending_runs() == {run_id}
+
+    deliver_pending(c, store, timeout=30)
+    run = c.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["grpo.lr"] == "1e-05"
+    assert run.data.metrics["reward"] == 0.5 and run.data.tags["grpo.note"] == "saved"
+    assert [h.step for h in c.get_metric_history(run_id, "reward")] == [3]
+    assert "samples.json" in [a.path for a in c.list_artifacts(run_id)]
+    assert not list((tmp_path / PENDING_DIR).iterdir())
+
+    # a file naming a function outside the allowed few, and a pickle: refused, kept, never run
+    folder = tmp_path / PENDING_DIR
+    other = c.create_run(exp).info.run_id
+    (folder / f"{other}.json").write_text(json.dumps({"uri": store, "run_id": other, "calls": [
+        ["x", {"with_logger": "os:system"}, ["touch hacked"], {"dict": {}}]]}))
+    third = c.create_run(exp).info.run_id
+    (folder / f"{third}.pkl").write_bytes(b"\x80\x04K\x01.")
+    deliver_pending(c, store, timeout=1)
+    assert not (tmp_path / "hacked").exists()
+    assert sorted(p.suffix for p in folder.iterdir()) == [".invalid", ".pkl"]
+    assert c.get_run(other).info.status == "RUNNING" and pending_runs() == set()

@@ -85,14 +85,15 @@ def deliver_pending(client, uri: str, timeout: float = PENDING_TIMEOUT_S) -> Non
         log = MlflowLogger(client, record["run_id"], uri)
         for call in record["calls"]:
             log._put(call)
-        log.finish(timeout)  # what it does not make is saved anew (<run>.pkl)
+        log.finish(timeout)  # what it does not make is saved anew (<run>.json)
         path.unlink(missing_ok=True)
 
 
 def pending_runs() -> set[str]:
     """The runs whose end is still among the saved calls (any server's): never marked KILLED."""
     folder = repo_root() / PENDING_DIR
-    return {p.name.split(".", 1)[0] for p in folder.iterdir()} if folder.is_dir() else set()
+    return ({p.name.split(".", 1)[0] for p in folder.iterdir() if p.suffix in (".json", ".taking")}
+            if folder.is_dir() else set())
 
 
 def close_stale_runs(client, exp_id: str, uri: str | None = None) -> list[str]:

@@ -6,8 +6,9 @@ a later run to make (:func:`save_pending`, :func:`load_pending`).
 from __future__ import annotations
 
 import collections
+import importlib
+import json
 import os
-import pickle
 import queue
 import sys
 import threading
@@ -26,33 +27,106 @@ from pipeline.tracking.mlflow_client import (END_TIMEOUT_S, FLUSH_TIMEOUT_S, PRO
 PENDING_DIR = Path("mlruns") / "pending"  # under the repository root (git-ignored): one file per run
 
 
+# the functions a saved call may name (module:name): a saved file is data, never code to import at will
+SAVABLE_FUNCS = frozenset({
+    "pipeline.tracking.mlflow_logger:_log_params_of",
+    "pipeline.tracking.mlflow_logger:_log_table_quietly",
+    "pipeline.tracking.mlflow_models:_register_uploaded",
+})
+# the client methods a saved call may name
+SAVABLE_METHODS = frozenset({"log_batch", "log_artifact", "log_artifacts", "log_table", "set_terminated"})
+
+
 @dataclass(frozen=True)
 class WithLogger:
-    """A queued call of a module-level function that takes the logger first. Unlike a closure or a
-    bound client method it pickles, so a call the server did not take in time can be saved."""
+    """A queued call of a module-level function that takes the logger first. Unlike a closure it is
+    saved by its name (one of SAVABLE_FUNCS), so a call the server did not take in time can be saved."""
 
     func: Callable[..., Any]
 
 
 class ClientMethod:
-    """A method of the run's client, bound when the call is queued and pickled by its name only, so
+    """A method of the run's client, bound when the call is queued and saved by its name only, so
     a later process making the saved call binds it to its own client."""
 
     def __init__(self, name: str, bound: Callable[..., Any] | None = None):
         self.name, self.bound = name, bound
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "bound": None}
+
+# ---- saved calls as JSON: plain data plus the few MLflow types the logger queues, tagged by type
+
+def _encode(obj: Any) -> Any:
+    """`obj` as JSON data; TypeError for anything the logger does not queue (such a call is not saved)."""
+    from mlflow.entities import Metric, RunTag
+
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [_encode(x) for x in obj]
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        return {"dict": {k: _encode(v) for k, v in obj.items()}}
+    if isinstance(obj, Metric):
+        return {"metric": [obj.key, obj.value, obj.timestamp, obj.step]}
+    if isinstance(obj, RunTag):
+        return {"tag": [obj.key, obj.value]}
+    if isinstance(obj, ClientMethod) and obj.name in SAVABLE_METHODS:
+        return {"client": obj.name}
+    if isinstance(obj, WithLogger):
+        name = f"{obj.func.__module__}:{obj.func.__qualname__}"
+        if name in SAVABLE_FUNCS:
+            return {"with_logger": name}
+    if type(obj).__name__ == "DataFrame":
+        return {"frame": json.loads(obj.to_json(orient="records"))}
+    raise TypeError(f"a queued {type(obj).__name__} is not saved")
 
 
-def _savable(call: tuple) -> bool:
-    """Whether a queued call pickles (client methods by name, :class:`WithLogger`, module-level
-    functions, plain data): what :func:`save_pending` can keep."""
+def _decode(obj: Any) -> Any:
+    """The inverse of :func:`_encode`; ValueError for anything else (a file that is not ours)."""
+    from mlflow.entities import Metric, RunTag
+
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [_decode(x) for x in obj]
+    if not (isinstance(obj, dict) and len(obj) == 1):
+        raise ValueError(f"not a saved value: {str(obj)[:80]}")
+    (kind, value), = obj.items()
+    if kind == "dict" and isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if kind == "metric":
+        key, val, ts, step = value
+        return Metric(str(key), float(val), int(ts), int(step))
+    if kind == "tag":
+        return RunTag(str(value[0]), str(value[1]))
+    if kind == "client" and value in SAVABLE_METHODS:
+        return ClientMethod(value)
+    if kind == "with_logger" and value in SAVABLE_FUNCS:
+        module, _, name = value.partition(":")
+        return WithLogger(getattr(importlib.import_module(module), name))
+    if kind == "frame" and isinstance(value, list):
+        import pandas as pd
+
+        return pd.DataFrame(value)
+    raise ValueError(f"not a saved value: {kind}")
+
+
+def _encode_call(call: tuple) -> list | None:
+    """A queued (what, fn, args, kwargs) as JSON data, or None if it cannot be saved."""
+    what, fn, args, kwargs = call
     try:
-        pickle.dumps(call)
-    except Exception:
-        return False
-    return True
+        fn = ClientMethod(fn) if isinstance(fn, str) else fn
+        return [what, _encode(fn), _encode(list(args)), _encode(dict(kwargs))]
+    except TypeError:
+        return None
+
+
+def _decode_call(data: Any) -> tuple:
+    what, fn, args, kwargs = data
+    fn, args, kwargs = _decode(fn), _decode(args), _decode(kwargs)
+    if not (isinstance(what, str) and isinstance(fn, (ClientMethod, WithLogger)) and isinstance(args, list)
+            and isinstance(kwargs, dict)):
+        raise ValueError("not a saved call")
+    return what, fn, tuple(args), kwargs
 
 
 def _log_params_of(log: MlflowLogger, params: dict[str, Any]) -> None:
@@ -223,7 +297,7 @@ class MlflowLogger:
             self._down = True  # the logging thread makes no further call (but the one in flight)
             self._queue.put(("__stop__", None, (), {}))
             with self._unmade_lock:
-                calls = [] if done else [c for c in self._unmade if c[0] not in self._broken and _savable(c)]
+                calls = [] if done else [c for c in self._unmade if c[0] not in self._broken]
             if calls:
                 save_pending(self, calls)
         return done
@@ -272,14 +346,20 @@ class MlflowLogger:
 # --------------------------------------------------------------------------- calls saved for later
 
 def pending_path(run_id: str) -> Path:
-    return repo_root() / PENDING_DIR / f"{run_id}.pkl"
+    return repo_root() / PENDING_DIR / f"{run_id}.json"
 
 
-def save_pending(log: MlflowLogger, calls: list[tuple]) -> Path:
+def save_pending(log: MlflowLogger, calls: list[tuple]) -> Path | None:
     """Save the calls a run could not deliver (its end last) where the next run of this repository
-    finds them: it makes them and so ends the run with its own status, never KILLED for a slow server."""
-    path = write_bytes_atomic(pending_path(log.run_id), pickle.dumps({"uri": log.uri, "run_id": log.run_id,
-                                                                      "calls": calls}))
+    finds them: it makes them and so ends the run with its own status, never KILLED for a slow server.
+    JSON, not pickle: the next run reads the file as data (a queued call that is not plain data, such as
+    an ad-hoc callable, is left out)."""
+    encoded = [c for c in (_encode_call(call) for call in calls) if c is not None]
+    if not encoded:
+        return None
+    path = write_bytes_atomic(pending_path(log.run_id), json.dumps({"uri": log.uri, "run_id": log.run_id,
+                                                                    "calls": encoded}).encode())
+    calls = encoded
     print(f"warning: MLflow at {log.uri}: {len(calls)} tracking calls of run {log.run_id} (its end among them) "
           f"saved to {path}; the next run here makes them", file=sys.stderr)
     return path
@@ -290,7 +370,7 @@ def load_pending(uri: str) -> list[tuple[Path, dict[str, Any]]]:
     renaming it to ``<run>.<pid>.taking``, so two stages starting side by side never make the same
     calls twice; one whose taker died is taken again."""
     folder = repo_root() / PENDING_DIR
-    files = [p for p in folder.iterdir() if p.suffix in (".pkl", ".taking")] if folder.is_dir() else []
+    files = [p for p in folder.iterdir() if p.suffix in (".json", ".taking")] if folder.is_dir() else []
     out = []
     for path in sorted(files):
         run_id, _, rest = path.name.partition(".")
@@ -300,8 +380,14 @@ def load_pending(uri: str) -> list[tuple[Path, dict[str, Any]]]:
         taken = path.with_name(f"{run_id}.{os.getpid()}.taking")
         try:
             path.rename(taken)
-            record = pickle.loads(taken.read_bytes())
-        except Exception:  # taken by another process just now, or unreadable: not ours to make
+            record = json.loads(taken.read_bytes())
+            record["calls"] = [_decode_call(c) for c in record["calls"]]
+        except OSError:  # taken by another process just now
+            continue
+        except (ValueError, TypeError, KeyError, AttributeError, ImportError) as exc:  # not a file we wrote
+            print(f"warning: {taken}: not a saved MLflow call list ({type(exc).__name__}: {str(exc)[:120]}); "
+                  "left in place", file=sys.stderr)
+            taken.rename(taken.with_suffix(".invalid"))
             continue
         if record.get("uri") != uri:  # another server's: leave it for a run that logs there
             taken.rename(pending_path(run_id))
