@@ -237,7 +237,7 @@ class GRPOConfig:
     """Maximum new tokens per completion."""
     reward: str = ""
     """Verifier: empty = the built-in one of each row's source (gsm8k, arith); `module:function` = a user's
-    own `(completion, gold) -> float`, imported by name."""
+    own `(completion, gold) -> float` in a module under pipeline/rewards/plugins/ (a DVC dep), checked at start."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
     dynamic_sampling: bool = False
@@ -323,7 +323,7 @@ class EvalConfig:
     """Nucleus threshold for pass@k / maj@k."""
     reward: str = ""
     """Verifier: empty = the built-in one of each row's source; `module:function` = a user's own
-    `(completion, gold) -> float` (a completion is correct when it scores at least 1)."""
+    `(completion, gold) -> float` under pipeline/rewards/plugins/ (correct when it scores at least 1)."""
     seed: int = 0
     """Seed for the sampling metrics."""
     jobs: int = 0

@@ -14,7 +14,7 @@ PIPELINE = ROOT / "pipeline"
 
 # bottom to top; a module may import (at any depth of its code) only modules of lower layers
 LAYERS = [
-    ["errors", "utils", "config", "distributed", "progress", "rewards.parsing",
+    ["errors", "utils", "config", "distributed", "progress", "rewards.parsing", "rewards.plugins.example",
      "model.attention", "model.fastpaths", "model.packed", "model.hf_mask"],
     ["config_loading", "config_render", "kernels", "lock", "rewards.verifiers", "tokenizer", "grpo", "summary",
      "model.logprobs", "model.lora", "model.fused_decode"],
@@ -29,7 +29,7 @@ LAYERS = [
     ["stages"],
     ["__main__"],
 ]
-PACKAGES = {"pipeline", "pipeline.data", "pipeline.model", "pipeline.rewards"}  # empty __init__ files
+PACKAGES = {"pipeline", "pipeline.data", "pipeline.model", "pipeline.rewards", "pipeline.rewards.plugins"}  # no code
 
 
 def _modules() -> dict[str, Path]:
