@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CheckpointError
-from pipeline.files import ensure_dir, raise_if_storage, remove_stale, sha256, storage_errors
+from pipeline.files import ensure_dir, raise_if_storage, real_target, remove_stale, sha256, storage_errors
 from pipeline.model.gpt import GPTConfig
 
 
@@ -48,8 +48,9 @@ MAX_JSON_BYTES = 1 << 24
 
 @contextlib.contextmanager
 def _atomic_folder(folder: str | Path):
-    """Yield a temp folder; on success it replaces `folder` (rename), on error it is removed."""
-    folder = Path(folder)
+    """Yield a temp folder; on success it replaces `folder` (rename), on error it is removed. A
+    `folder` that is a symlink stays one: the folder it points to is replaced (files.real_target)."""
+    folder = real_target(folder)
     ensure_dir(folder.parent)
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"{folder}: is a file where a checkpoint folder is written; move it away")

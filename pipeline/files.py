@@ -8,6 +8,8 @@ A stage's outputs as one unit (all new or all old, never a mix):
   folder beside it, which is then swapped in with one atomic `renameat2(RENAME_EXCHANGE)` (two
   renames where the kernel lacks it: a kill between them leaves no folder, never a mixed one).
   Files in the old folder that the stage does not write are carried over as hard links.
+  A target that is a symlink (data on a bigger volume) is kept: the swap happens at the folder it
+  points to, beside it on its own filesystem (`real_target`).
 - `staged_outputs(name)`: files spread over several folders (evaluate's reports, plots, metrics)
   are written under `.staging-<name>/`, then a journal is written and the files renamed into
   place; a run killed after the journal is rolled forward by the next `recover_outputs(name)`,
@@ -238,10 +240,19 @@ def remove_stale(parent: Path, prefix: str) -> None:
                 pass
 
 
+def real_target(path: str | Path) -> Path:
+    """The folder a whole-folder write replaces: `path` itself, or, where `path` is a symlink, the
+    folder it points to (followed to the end, existing or not), so the link stays a link and the
+    temporary folder lies on the target's filesystem (a rename across filesystems fails)."""
+    path = Path(path)
+    return path.resolve() if path.is_symlink() else path
+
+
 @contextlib.contextmanager
 def replaced_dir(target: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder beside `target`; on success it becomes `target` in one swap."""
-    target = Path(target)
+    """Yield a temporary folder beside `target` (beside the folder it links to, for a symlink); on
+    success it becomes `target` in one swap."""
+    target = real_target(target)
     if target.exists() and not target.is_dir():
         raise InputError(f"{target}: is a file where the stage writes the folder {target}/; move it away")
     parent = ensure_dir(target.absolute().parent)

@@ -244,3 +244,59 @@ def test_staged_outputs_appear_together_and_a_journal_is_rolled_forward(tmp_path
     Path(".staging-evaluate/journal.json").write_text(json.dumps([[str(staged), "metrics/eval.json"]]))
     files.recover_outputs("evaluate")
     assert json.loads(Path("metrics/eval.json").read_text()) == {"a": 3} and not Path(".staging-evaluate").exists()
+
+
+def _other_filesystem(tmp_path: Path) -> Path:
+    """A folder on another filesystem than tmp_path (tmpfs /dev/shm), where there is one."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev or not os.access(shm, os.W_OK):
+        pytest.skip("no second filesystem here")
+    folder = shm / f"grpo-test-{os.getpid()}-{tmp_path.name}"
+    folder.mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("where", ["same filesystem", "another filesystem"])
+def test_a_symlinked_data_folder_stays_a_link_and_is_replaced_where_it_points(tmp_path, monkeypatch, where):
+    """Data on a bigger volume: `data` -> elsewhere. prepare writes there (twice: a first run and a
+    re-run that swaps), the link stays, and nothing is left behind on either side."""
+    monkeypatch.chdir(tmp_path)
+    _source(tmp_path)
+    volume = _other_filesystem(tmp_path) if where == "another filesystem" else tmp_path / "volume"
+    volume.mkdir(exist_ok=True)
+    try:
+        Path("data").symlink_to(volume / "data")  # dangling until the first run
+        run_prepare(_cfg())
+        (Path("data") / "notes.txt").write_text("mine")
+        first = (volume / "data" / "gsm8k_val.jsonl").read_bytes()
+        run_prepare(_cfg("data.seed=1"))
+        assert Path("data").is_symlink() and os.readlink("data") == str(volume / "data")
+        assert (volume / "data" / "gsm8k_val.jsonl").read_bytes() != first
+        assert (volume / "data" / "notes.txt").read_text() == "mine"
+        assert sorted(p.name for p in volume.iterdir()) == ["data"]  # no temporary folder left
+        assert not list(Path(".").glob(".data.tmp-*"))
+    finally:
+        if where == "another filesystem":
+            import shutil
+
+            shutil.rmtree(volume, ignore_errors=True)
+
+
+def test_a_symlinked_checkpoint_folder_stays_a_link(tmp_path, gpt_policy):
+    from pipeline.checkpoint import load_policy, save_policy
+
+    volume = _other_filesystem(tmp_path)
+    try:
+        (tmp_path / "checkpoints").mkdir()
+        link = tmp_path / "checkpoints" / "sft"
+        link.symlink_to(volume / "sft")
+        for _ in range(2):  # a first save, then one that replaces it
+            save_policy(link, gpt_policy)
+        assert link.is_symlink() and (volume / "sft" / "manifest.json").is_file()
+        assert sorted(p.name for p in volume.iterdir()) == ["sft"]
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["sft"]
+        load_policy(link, device="cpu")
+    finally:
+        import shutil
+
+        shutil.rmtree(volume, ignore_errors=True)
