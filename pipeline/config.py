@@ -312,7 +312,8 @@ class EvalConfig:
     batch_size: int = 64
     """Prompts per generation batch."""
     max_new_tokens: int = 256
-    """Maximum new tokens per completion."""
+    """Maximum new tokens per completion, each row's own whatever the batch (less where its prompt leaves
+    less room in the context; a row with none is not scored, counted as `<task>_unscorable`)."""
     samples: int = 8
     """k for pass@k / maj@k / pass@1 (mean sample accuracy); 0 disables sampling metrics."""
     sample_tasks: list[str] = field(default_factory=lambda: ["arith"])

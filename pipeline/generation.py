@@ -37,35 +37,47 @@ def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int)
     return greedy_correct(policy, rows, max_new_tokens) / len(rows) if rows else None
 
 
+def row_budgets(policy, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
+    """Each prompt's own budget of new tokens: `max_new_tokens`, or what the model's context leaves
+    after that prompt (0: it cannot be answered at all). It depends on the row alone, never on the
+    batch it is generated in."""
+    limit = policy.max_len
+    return [max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - len(x))) for x in prompt_ids]
+
+
 def generate(policy, prompts: Sequence[str], *, batch_size: int, max_new_tokens: int, group_size: int = 1,
              greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
              generator: torch.Generator | None = None,
              advance: Callable[[int], None] | None = None) -> tuple[list[str], list[int], list[bool]]:
     """Completions for `prompts`, `batch_size` prompts per KV-cached rollout; group-contiguous.
 
-    Prompts are taken in the given order (deterministic batches). Where a batch's longest prompt
-    plus `max_new_tokens` would overflow the model's context, that batch's budget shrinks to fit;
-    the completions that hit the smaller budget count as truncated.
+    Every row gets its own budget (:func:`row_budgets`), whatever the batch: the rows that have the
+    whole `max_new_tokens` are generated in batches in the given order (deterministic batches); a
+    row whose prompt leaves less room in the model's context is generated on its own with what is
+    left (its completion counts as truncated if it hits that smaller budget). A row with no room at
+    all is refused (InputError naming it): callers set such rows aside first (the evaluate stage
+    reports them by id and scores the rest).
     """
-    texts: list[str] = []
-    lengths: list[int] = []
-    truncated: list[bool] = []
-    limit = policy.max_len
-    for start in range(0, len(prompts), batch_size):
-        ids = [policy.tokenizer.encode(p) for p in prompts[start:start + batch_size]]
-        budget = max_new_tokens
-        if limit is not None:
-            longest = max(len(x) for x in ids)
-            budget = min(max_new_tokens, limit - longest)
-            if budget < 1:
-                raise InputError(f"a prompt of {longest} tokens leaves no room to answer in the model's "
-                                 f"context of {limit} tokens (prompt #{start + 1}..{start + len(ids)})")
+    ids = [policy.tokenizer.encode(p) for p in prompts]
+    budgets = row_budgets(policy, ids, max_new_tokens)
+    for i, b in enumerate(budgets):
+        if b < 1:
+            raise InputError(f"prompt #{i + 1} has {len(ids[i])} tokens: no room to answer in the model's context "
+                             f"of {policy.max_len} tokens")
+    full = [i for i, b in enumerate(budgets) if b == max_new_tokens]
+    batches = [(full[s:s + batch_size], max_new_tokens) for s in range(0, len(full), batch_size)]
+    batches += [([i], b) for i, b in enumerate(budgets) if b != max_new_tokens]
+    out: dict[int, tuple[list[str], list[int], list[bool]]] = {}
+    for rows, budget in batches:
         ro = rollout_prompts(policy, None, group_size=group_size, max_new_tokens=budget,
                              temperature=temperature, top_p=top_p, top_k=0, greedy=greedy,
-                             generator=generator, prompt_ids=ids)
-        texts += list(ro.texts)
-        lengths += [int(x) for x in ro.response_lengths.tolist()]
-        truncated += [bool(x) for x in ro.truncated.tolist()]
+                             generator=generator, prompt_ids=[ids[i] for i in rows])
+        lengths, truncated = ro.response_lengths.tolist(), ro.truncated.tolist()
+        for j, i in enumerate(rows):  # group-contiguous: row j's completions are j*G .. (j+1)*G-1
+            span = slice(j * group_size, (j + 1) * group_size)
+            out[i] = (list(ro.texts[span]), [int(x) for x in lengths[span]], [bool(x) for x in truncated[span]])
         if advance is not None:
-            advance(len(ids))
-    return texts, lengths, truncated
+            advance(len(rows))
+    texts = [t for i in range(len(prompts)) for t in out[i][0]]
+    lengths = [n for i in range(len(prompts)) for n in out[i][1]]
+    return texts, lengths, [t for i in range(len(prompts)) for t in out[i][2]]

@@ -543,3 +543,75 @@ def test_fewshot_entry_scores_the_checkpoint_on_prompts_with_worked_examples(tmp
         texts = [generate(policy, [p], batch_size=1, max_new_tokens=5)[0][0] for p in prompts]
         preds = pd.read_csv(tmp_path / f"reports/predictions_sft_fewshot_{task}.csv", keep_default_na=False)
         assert list(preds["completion"]) == texts
+
+
+def _budget_policy(block_size: int):
+    import torch
+
+    from pipeline.model.policy import build_policy
+    from pipeline.tokenizer import train_tokenizer
+
+    cfg = _quiet_cfg()
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size = 1, 2, 32, block_size
+    cfg.model.device = "cpu"
+    tok = train_tokenizer(["What is 1 + 5? <answer>6</answer> Question: Answer: a b c d e f"] * 8, vocab_size=300)
+    torch.manual_seed(0)
+    return build_policy(cfg.model, tok).eval()
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_every_row_gets_its_own_budget_whatever_the_batch(group_size):
+    """A long prompt no longer shrinks its batch-mates' budget: each row's completions equal those of a
+    plain loop generating that row alone with min(max_new_tokens, context - prompt), at any batch size."""
+    import torch
+
+    from pipeline.generation import generate, row_budgets
+    from pipeline.rollout import rollout_prompts
+
+    policy = _budget_policy(block_size=40)
+    prompts = ["What is 1 + 5?", "a " * 36, "Question: What?", "a " * 38, "b c"]
+    ids = [policy.tokenizer.encode(p) for p in prompts]
+    budgets = row_budgets(policy, ids, 8)
+    assert budgets[0] == budgets[2] == budgets[4] == 8 and 0 < budgets[3] < budgets[1] < 8  # two with less room
+
+    reference = []
+    for i, b in zip(ids, budgets):  # the plain loop: every row alone with its own budget
+        ro = rollout_prompts(policy, None, group_size=group_size, max_new_tokens=b, top_k=0, greedy=True, prompt_ids=[i])
+        reference.append((list(ro.texts), ro.response_lengths.tolist(), ro.truncated.tolist()))
+    for batch_size in (1, 2, 5):
+        texts, lengths, truncated = generate(policy, prompts, batch_size=batch_size, max_new_tokens=8,
+                                             group_size=group_size)
+        G = group_size
+        got = [(texts[j * G:(j + 1) * G], lengths[j * G:(j + 1) * G], truncated[j * G:(j + 1) * G])
+               for j in range(len(prompts))]
+        assert got == [(t, [int(x) for x in n], [bool(x) for x in r]) for t, n, r in reference], batch_size
+        assert all(n <= b for (_, ns, _), b in zip(got, budgets) for n in ns)
+    torch.manual_seed(0)
+
+
+def test_a_question_too_long_for_the_context_is_counted_and_the_rest_scored(tmp_path, monkeypatch, caplog):
+    """A 10 KB test question: evaluate scores every other row, counts it (gsm8k_unscorable) and names
+    its id, instead of stopping before any checkpoint with a batch range."""
+    from pipeline.checkpoint import save_policy
+    from pipeline.config import DEFAULT_TEMPLATE
+    from pipeline.stages.evaluate import run_evaluate
+
+    monkeypatch.chdir(tmp_path)
+    _write_data(tmp_path, n=3)
+    q = "How many? " + "x " * 5000
+    with (tmp_path / "data" / "gsm8k_test.jsonl").open("a") as f:
+        f.write(json.dumps({"id": "gsm8k-long", "source": "gsm8k", "question": q, "gold": 1.0, "level": 1,
+                            "prompt": DEFAULT_TEMPLATE.format(question=q), "solution": "<answer>1</answer>"}) + "\n")
+    cfg = _quiet_cfg()
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size = 1, 2, 32, 128
+    cfg.model.device = "cpu"
+    cfg.evaluate.stages, cfg.evaluate.batch_size, cfg.evaluate.max_new_tokens = ["sft"], 4, 5
+    cfg.evaluate.samples, cfg.evaluate.jobs = 0, 1
+    save_policy(tmp_path / "checkpoints" / "sft", _budget_policy(block_size=128))
+    monkeypatch.setattr("pipeline.stages.evaluate.stage_logger", _RecordingLogger())
+    with caplog.at_level("WARNING"):
+        metrics = run_evaluate(cfg)["metrics"]["sft"]
+    assert metrics["gsm8k_unscorable"] == 1 and metrics["gsm8k_examples"] == 3 and "arith_unscorable" not in metrics
+    assert "gsm8k-long" in caplog.text and "1 of 4 rows" in caplog.text
+    preds = pd.read_csv(tmp_path / "reports/predictions_sft_gsm8k.csv", keep_default_na=False)
+    assert list(preds["id"]) == ["gsm8k-0", "gsm8k-1", "gsm8k-2"]

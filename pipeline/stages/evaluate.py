@@ -32,7 +32,7 @@ from pipeline import evaluation as ev
 from pipeline import files
 from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
 from pipeline.errors import InputError
-from pipeline.generation import generate
+from pipeline.generation import generate, row_budgets
 from pipeline.progress import as_text, progress_bar
 from pipeline.rewards.verifiers import load_verifier
 from pipeline.tracking import stage_logger
@@ -198,11 +198,13 @@ def _evaluate_checkpoint(cfg: Config, stage: str, target: tuple[Path, bool], dat
     k = {task: e.samples if task in e.sample_tasks else 0 for task in tasks}
     policy = load_policy(folder, run=cfg.model)  # this run's device (`auto`: CUDA if available), dtype, ...
     policy.eval()
-    per_task = {}
+    per_task, unscorable = {}, {}
     for task, rows in tasks.items():
         if fewshot:
             rows = [{**r, "prompt": fewshot_prompt(r["question"], data["shots"][task], policy.tokenizer, cfg)}
                     for r in rows]
+        rows, unscorable[task] = set_aside_unfit(policy, rows, e.max_new_tokens, f"{stage}/{task}")
+        tasks[task] = rows
         advance = None
         if progress is not None:
             passes = 1 + (1 if k[task] > 0 else 0)  # greedy, then the sampled groups
@@ -210,9 +212,25 @@ def _evaluate_checkpoint(cfg: Config, stage: str, target: tuple[Path, bool], dat
             advance = lambda n, bar=bar: progress.advance(bar, n)  # noqa: E731
         per_task[task] = evaluate_task(policy, rows, cfg, samples=k[task], advance=advance)
     metrics = ev.stage_metrics(per_task, k)
+    # rows the model's context cannot hold (present only when there are some): counted, not scored
+    metrics.update({f"{task}_unscorable": len(ids) for task, ids in unscorable.items() if ids})
     if e.per_level and "arith" in per_task:
         metrics.update(level_metrics(tasks["arith"], per_task["arith"]))
     return metrics, per_task
+
+
+def set_aside_unfit(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int,
+                    what: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the rows whose prompt leaves room to answer in the model's context, the ids of those it does
+    not): the latter are reported by id (one warning) and counted, and the rest is scored."""
+    budgets = row_budgets(policy, [policy.tokenizer.encode(r["prompt"]) for r in rows], max_new_tokens)
+    unfit = [str(r.get("id", f"#{i + 1}")) for i, (r, b) in enumerate(zip(rows, budgets)) if b < 1]
+    if unfit:
+        shown = ", ".join(unfit[:10]) + (f" and {len(unfit) - 10} more" if len(unfit) > 10 else "")
+        log.warning("evaluate %s: %d of %d rows leave no room to answer in the model's context of %s tokens "
+                    "and are not scored (%s_unscorable): %s", what, len(unfit), len(rows), policy.max_len,
+                    what.rsplit("/", 1)[-1], shown)
+    return [r for r, b in zip(rows, budgets) if b >= 1], unfit
 
 
 def _worker(cfg: Config, stage: str, folder: tuple[Path, bool], data: dict[str, Any]) -> str:
