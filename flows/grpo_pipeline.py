@@ -311,6 +311,7 @@ def local_api() -> Iterator[None]:
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     if PREFECT_API_URL.value():
+        check_api(PREFECT_API_URL.value())
         yield
         return
     timeout = max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), 120)
@@ -321,6 +322,21 @@ def local_api() -> Iterator[None]:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a Ctrl-C meanwhile is delivered now
         yield
+
+
+def check_api(url: str, timeout: float = 5.0) -> None:
+    """One line, exit 2, when PREFECT_API_URL names a server that does not answer (it used to be a
+    119-line traceback after Prefect's retries). Any HTTP answer counts: a server that wants a key or
+    has no `/health` (Prefect Cloud) is left to Prefect's own messages."""
+    import httpx
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError as exc:
+        why = "connection refused" if "refused" in str(exc).lower() else f"no answer within {timeout:g} s" \
+            if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
+        raise InputError(f"PREFECT_API_URL={url}: no Prefect server answers ({why}); start one with `prefect server "
+                         f"start --host 127.0.0.1`, or unset PREFECT_API_URL to run on a temporary local API") from None
 
 
 @contextlib.contextmanager

@@ -405,3 +405,21 @@ def test_recipe_flag_errors_are_one_line(tmp_path):
                              text=True, timeout=120, env={**os.environ, "PREFECT_API_URL": ""})
         lines = (res.stdout + res.stderr).strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_a_prefect_server_that_is_down_is_one_line_before_any_stage():
+    """PREFECT_API_URL naming a port nobody listens on: one line naming the URL and what to do, exit 2
+    (it was a 119-line traceback after Prefect's retries)."""
+    import socket
+
+    from tests.conftest import QUIET_ENV
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/api"
+    res = subprocess.run([sys.executable, "-m", "flows.grpo_pipeline"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO), "PREFECT_API_URL": url})
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, lines[-20:]
+    assert lines[0].startswith(f"error: PREFECT_API_URL={url}: no Prefect server answers (connection refused)"), lines
