@@ -252,10 +252,19 @@ def _gpt_params(cfg: Config) -> int:
     return cfg.data.vocab_size * h + learned + m.n_layer * (16 * h * h + 2 * h) + h
 
 
+def _train_state(weights: int, size: int, kl: bool) -> int:
+    """Bytes of the weights, their gradients and the reference (with a KL term), in the weights' dtype,
+    and the two AdamW moments, always fp32; bf16 weights add their fp32 masters (`training.MasterAdamW`):
+    20 bytes a parameter in fp32, 18 in bf16 (with the reference)."""
+    params = weights // size
+    return params * (size * (3 if kl else 2) + 8 + (4 if size == 2 else 0))
+
+
 def _grpo_need(cfg: Config, name: str, weights: int, size: int) -> tuple[str, int, tuple[str, ...]]:
-    """A GRPO stage: weights, gradients, two AdamW moments and the reference (with a KL term), then the
-    larger of the rollout's preallocated KV cache (every row, `rollout_len` positions) and one training
-    pass's logits (a micro-batch per process, else the minibatch; `rollout_len` columns)."""
+    """A GRPO stage: weights, gradients, two AdamW moments (and fp32 masters under bf16) and the
+    reference (with a KL term), then the larger of the rollout's preallocated KV cache (every row,
+    `rollout_len` positions) and one training pass's logits (a micro-batch per process, else the
+    minibatch; `rollout_len` columns)."""
     g, m, vocab = getattr(cfg, name), cfg.model, cfg.data.vocab_size
     rows = g.prompts_per_iter * g.group_size
     forward = (g.minibatch_groups or g.prompts_per_iter) * g.group_size
@@ -263,7 +272,7 @@ def _grpo_need(cfg: Config, name: str, weights: int, size: int) -> tuple[str, in
         forward = min(forward, g.micro_batch_size * g.nproc)
     kv = 2 * rows * g.rollout_len * m.n_layer * m.n_embd * size
     logits = forward * g.rollout_len * vocab * size
-    batch, model = max(kv, logits), (5 if g.kl_coef > 0 else 4) * weights
+    batch, model = max(kv, logits), _train_state(weights, size, g.kl_coef > 0)
     keys = (*MODEL_KEYS, f"{name}.prompts_per_iter", f"{name}.group_size", f"{name}.rollout_len")
     what = f"{name}: weights, AdamW and reference {model / GB:,.1f} GB + rollout batch {batch / GB:,.1f} GB"
     return what, model + batch, keys

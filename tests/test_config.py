@@ -355,3 +355,19 @@ def test_an_address_space_cap_counts_as_the_machines_memory():
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.strip().count("\n") == 0, res.stderr
     assert "data.arith_train_size = 1000000: needs ~" in res.stderr and "address-space limit" in res.stderr
+
+
+def test_the_estimate_counts_bf16_weights_with_their_fp32_masters_and_moments(cpu_machine):
+    """bf16 halves the weights, gradients and reference but not AdamW's fp32 moments, and adds the fp32
+    masters (training.MasterAdamW): 18 bytes a parameter with the reference, against 20 in fp32."""
+    from pipeline.config_loading import _gpt_params, _grpo_need, load_config
+
+    for dtype, per_param in (("float32", 20), ("bfloat16", 18)):
+        cfg = load_config(ROOT / "params.yaml", [f"model.param_dtype={dtype}", "warmup.kl_coef=0.04",
+                                                 "model.n_layer=24", "model.n_embd=1024", "model.n_head=16",
+                                                 "evaluate.batch_size=1", "evaluate.samples=0"])
+        assert _gpt_params(cfg) > 300e6  # large enough that 2 bytes a parameter show in the 0.1 GB figure
+        size = 2 if dtype == "bfloat16" else 4
+        what, need, _ = _grpo_need(cfg, "warmup", _gpt_params(cfg) * size, size)
+        model_gb = float(what.split("reference ")[1].split(" GB")[0].replace(",", ""))
+        assert abs(model_gb - _gpt_params(cfg) * per_param / 1e9) < 0.051, (dtype, what)
