@@ -46,7 +46,7 @@ from pipeline.config_loading import load_config
 from pipeline.evaluation import training_summary
 from pipeline.lock import check_free, workspace_lock
 from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run
-from pipeline.tracking.common import ROOT_ENV
+from pipeline.tracking.common import ROOT_ENV, outputs_digest
 from tasks.stages import (STAGE_TASKS, STOP_TIMEOUT_S, changed_stages, reset_stop, stop_stages, stopped_by,
                          stopped_stages)
 
@@ -280,8 +280,15 @@ def _execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence
             except BaseException as exc:
                 end_pipeline_run(cfg, parent, "KILLED" if interrupt_signal(exc) else "FAILED")
                 raise
-            end_pipeline_run(cfg, parent, "FINISHED")
+            end_pipeline_run(cfg, parent, "FINISHED", reused_outputs(results, work) if parent else None)
     return results
+
+
+def reused_outputs(results: dict[str, Any], work: Path) -> dict[str, str | None]:
+    """{stage: digest of its outputs} for the stages DVC skipped or restored from its run cache: the
+    parent run then shows the results of the runs that produced them (pipeline.tracking)."""
+    return {name: outputs_digest(name, work) for name, r in results.items()
+            if isinstance(r, dict) and r.get("status") in ("skipped", "restored")}
 
 
 @flow(name="grpo-pipeline", log_prints=True)

@@ -313,6 +313,14 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     assert {r.data.tags["mlflow.source.git.commit"] for r in all_runs} == {head}
     assert "grpo/reward" in mine.data.metrics and any(k.startswith("eval/grpo/") for k in mine.data.metrics)
     assert mine.data.tags["grpo.experiment"] == out["experiment"]
+    # the stages DVC skipped show the results of the runs whose outputs they used (here `dvc repro`'s)
+    producers = {r.data.tags["grpo.stage"]: r.info.run_id for r in top}
+    first_parent = parents[str(first_id)]
+    assert {s: first_parent.data.tags.get(f"grpo.reused.{s}") for s in STAGES} == producers
+    assert "warmup/reward" in first_parent.data.metrics and any(k.startswith("eval/grpo/") for k in first_parent.data.metrics)
+    assert {s: mine.data.tags.get(f"grpo.reused.{s}") for s in ("prepare", "sft", "warmup", "control")} == {
+        s: producers[s] for s in ("prepare", "sft", "warmup", "control")}
+    assert "warmup/reward" in mine.data.metrics and "control/loss" in mine.data.metrics
     versions = client.search_model_versions("name = 'grpo-policy'")
     assert versions and any(k.startswith("eval.") for v in versions for k in v.tags)
 

@@ -205,12 +205,48 @@ def test_compare_runs_lists_pipelines_side_by_side(store):
                 log.log_metrics({"eval/gsm8k_accuracy": kl}, step=0)
         end_pipeline_run(cfg, parent)
     text = compare_runs(make_cfg(store, "compare"))
-    assert "2 pipeline run(s)" in text
+    assert "2 run(s)" in text
     lines = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:]}
     assert lines["param:grpo.kl_coef"] == ["0.02", "0.04"]  # newest first
     assert lines["grpo/reward"] == ["0.4", "0.8"]  # final (last step) values
     assert "eval/gsm8k_accuracy" in lines
-    assert "no pipeline runs" in compare_runs(make_cfg(store, "empty"))
+    assert "no pipeline or stage runs" in compare_runs(make_cfg(store, "empty"))
+
+
+def test_a_skipped_stage_shows_the_results_of_the_run_that_produced_its_outputs(store, tmp_path, monkeypatch):
+    """`dvc repro` ran grpo (no parent); then a flow whose grpo DVC skipped: its parent carries the
+    metrics of the run whose outputs it used, and names it. compare lists both, the bare runs as
+    a `dvc exp <name>` column (it used to say "No pipeline runs" and show `-` for skipped stages)."""
+    from pipeline.tracking.common import outputs_digest
+
+    (tmp_path / "dvc.yaml").write_text("stages:\n  grpo:\n    cmd: x\n    outs:\n      - checkpoints/grpo\n"
+                                       "    metrics:\n      - metrics/train.json:\n          cache: false\n")
+    (tmp_path / "checkpoints" / "grpo").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "grpo" / "model.safetensors").write_bytes(b"weights")
+    cfg = make_cfg(store, "reuse")
+    monkeypatch.setenv("DVC_EXP_NAME", "by-hand")
+    with stage_logger(cfg, "grpo") as log:
+        log.log_metrics({"train/reward": 0.75}, step=5)
+    monkeypatch.delenv("DVC_EXP_NAME")
+    digest = outputs_digest("grpo")
+    producer = by_stage(runs(store, "reuse"))["grpo"]
+    assert producer.data.tags["grpo.outputs"] == digest and len(digest) == 64
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "train.json").write_text("{}")  # a report file: not part of the outputs
+    assert outputs_digest("grpo") == digest
+
+    parent = start_pipeline_run(cfg)
+    end_pipeline_run(cfg, parent, "FINISHED", reused={"grpo": digest, "sft": "0" * 64})
+    run = client(store).get_run(parent)
+    assert run.data.metrics["grpo/reward"] == 0.75
+    assert run.data.tags["grpo.reused.grpo"] == producer.info.run_id
+    assert run.data.tags["grpo.reused.sft"].startswith("unknown")
+
+    text = compare_runs(cfg)
+    header = text.splitlines()[1]
+    assert "2 run(s)" in text and "dvc exp by-hand" in header, text
+    rewards = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:]}["grpo/reward"]
+    assert rewards == ["0.75", "0.75"], text
 
 
 def test_prepare_is_a_stage_run_with_its_data_figures(store, tmp_path):

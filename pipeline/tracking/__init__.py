@@ -94,13 +94,16 @@ def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str
     return _start(cfg, name=name, tags=tags)
 
 
-def end_pipeline_run(cfg: Config, run_id: str | None, status: str = "FINISHED") -> None:
-    """Close the parent run (FINISHED, FAILED or KILLED), with the stages' final metrics on it."""
+def end_pipeline_run(cfg: Config, run_id: str | None, status: str = "FINISHED",
+                     reused: dict[str, str | None] | None = None) -> None:
+    """Close the parent run (FINISHED, FAILED or KILLED), with the stages' final metrics on it; those of
+    the stages DVC skipped come from the runs that produced the outputs used (``reused``: {stage:
+    :func:`pipeline.tracking.common.outputs_digest`})."""
     if not run_id or not cfg.tracking.enabled:
         return
     from pipeline.tracking.mlflow_backend import end_pipeline_run as _end
 
-    _end(cfg, run_id, status)
+    _end(cfg, run_id, status, reused)
 
 
 def run_link(cfg: Config, parent_id: str | None, stage: str) -> str | None:

@@ -15,6 +15,7 @@ Orchestrators pass context down through environment variables, never imports:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -150,3 +151,39 @@ def runtime_tags() -> dict[str, str]:
         info = cpuinfo()
         tags["env.mkl_branch"] = mkl_branch(os.environ["MKL_CBWR"], None if info is None else info[1])
     return tags
+
+
+# --------------------------------------------------------------------------- what a stage produced
+
+def stage_outs(stage: str, work: Path | None = None) -> list[Path]:
+    """The paths DVC caches for ``stage`` (its ``outs:`` in ``dvc.yaml``; metrics and plots files are
+    left out: they are its report, and a stage rewrites them after its run's end)."""
+    import yaml
+
+    work = work or Path(".")
+    try:
+        spec = yaml.safe_load((work / "dvc.yaml").read_text()).get("stages", {}).get(stage) or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []
+    outs = [next(iter(o)) if isinstance(o, dict) else o for o in spec.get("outs") or []]
+    return [work / str(o) for o in outs]
+
+
+def outputs_digest(stage: str, work: Path | None = None) -> str | None:
+    """One SHA-256 over the contents of ``stage``'s outputs (every file under them, by path relative
+    to the working folder): the same outputs give the same digest, whichever run or machine wrote
+    them. A stage run is tagged with it (``grpo.outputs``), so a pipeline run that DVC let skip the
+    stage can name the run that produced what it used. None without outputs."""
+    work = work or Path(".")
+    files = sorted(f for out in stage_outs(stage, work) for f in ([out] if out.is_file() else out.rglob("*"))
+                   if f.is_file() and not f.name.startswith("."))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(work)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()

@@ -49,10 +49,10 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.lock import pid_alive
-from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, experiment_label, git_state, repo_root, run_name,
-                                      runtime_tags)
-from pipeline.tracking.mlflow_client import (COMMIT_TAG, END_TIMEOUT_S, HOST_TAG, PENDING_TIMEOUT_S, PID_TAG,
-                                             ROLE_TAG, STAGE_TAG, STOPPED_END_TIMEOUT_S, TRAINING_STAGES,
+from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, experiment_label, git_state, outputs_digest,
+                                      repo_root, run_name, runtime_tags)
+from pipeline.tracking.mlflow_client import (COMMIT_TAG, END_TIMEOUT_S, HOST_TAG, OUTPUTS_TAG, PENDING_TIMEOUT_S, PID_TAG,
+                                             REUSED_TAG, ROLE_TAG, STAGE_TAG, STOPPED_END_TIMEOUT_S, TRAINING_STAGES,
                                              WORKSPACE_TAG, _log_params, _no_http_retries, _params, _unavailable,
                                              client_for, experiment_id, probe, tracking_uri)
 from pipeline.tracking.mlflow_logger import PENDING_DIR, MlflowLogger, load_pending
@@ -132,32 +132,58 @@ def start_pipeline_run(cfg: Config, name: str | None = None, tags: dict[str, str
     return run.info.run_id
 
 
-def end_pipeline_run(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
+def end_pipeline_run(cfg: Config, run_id: str, status: str = "FINISHED",
+                     reused: dict[str, str | None] | None = None) -> None:
     """Copy the stage runs' final metrics (namespaced by stage, so they never clash) onto the parent,
-    then mark it FINISHED / FAILED / KILLED. A server gone by now is one warning, not a traceback
-    after the work is done (the next run marks the parent KILLED: its process is gone)."""
+    then mark it FINISHED / FAILED / KILLED. ``reused``: {stage: outputs digest} of the stages DVC
+    skipped (or restored from its run cache): the metrics of the newest finished run that produced
+    those same outputs are copied too, and the parent names it (``grpo.reused.<stage>``), so every
+    pipeline run shows the results it used, whoever produced them. A server gone by now is one
+    warning, not a traceback after the work is done (the next run marks the parent KILLED)."""
     uri = tracking_uri(cfg)
     try:
         probe(uri)
         client = client_for(uri)
         with _no_http_retries():
             deliver_pending(client, uri)  # the stages' last metrics, before they are copied onto the parent
-        _end_pipeline_run(client, run_id, status)
+        _end_pipeline_run(client, run_id, status, reused or {})
     except Exception as exc:
         msg = " ".join(str(exc).split())[:200]
         print(f"warning: MLflow at {uri}: could not close the pipeline run {run_id} ({type(exc).__name__}: "
               f"{msg}); the stages' own runs hold their metrics", file=sys.stderr)
 
 
-def _end_pipeline_run(client, run_id: str, status: str) -> None:
-    from mlflow.entities import Metric
+def producer_run(client, exp_id: str, stage: str, digest: str | None):
+    """The newest finished run of ``stage`` whose outputs had ``digest`` (any parent, or none: a flow,
+    ``dvc repro`` or ``dvc exp run``), or None."""
+    if not digest:
+        return None
+    found = client.search_runs([exp_id], filter_string=f"tags.`{OUTPUTS_TAG}` = '{digest}' and "
+                                                       f"tags.`{STAGE_TAG}` = '{stage}' and attributes.status = 'FINISHED'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    return found[0] if found else None
+
+
+def _end_pipeline_run(client, run_id: str, status: str, reused: dict[str, str | None]) -> None:
+    from mlflow.entities import Metric, RunTag
 
     parent = client.get_run(run_id)
-    children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
-                                  order_by=["attributes.start_time ASC"])
+    exp_id = parent.info.experiment_id
     latest: dict[str, float] = {}
+    tags = []
+    for stage, digest in reused.items():  # what DVC let this run use without running the stage
+        source = producer_run(client, exp_id, stage, digest)
+        tags.append(RunTag(REUSED_TAG + stage, source.info.run_id if source else "unknown (no run tagged "
+                                                                                  "with these outputs)"))
+        if source is not None:
+            latest.update(source.data.metrics)
+    children = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
+                                  order_by=["attributes.start_time ASC"])
     for child in children:  # a re-run stage overwrites an earlier one
         latest.update(child.data.metrics)
+    if tags:
+        with contextlib.suppress(Exception):
+            client.log_batch(run_id, tags=tags)
     now = int(time.time() * 1000)
     items = [Metric(k, float(v), now, 0) for k, v in latest.items()]
     with contextlib.suppress(Exception):
@@ -214,6 +240,8 @@ def mlflow_stage_logger(cfg: Config, stage: str) -> Iterator[MlflowLogger]:
     log.log_params(_params(cfg))
     try:
         yield log
+        if digest := outputs_digest(stage):  # what this run produced, for runs that later reuse it
+            log.set_tags({OUTPUTS_TAG: digest})
         if stage in TRAINING_STAGES:
             log_checkpoint(log, cfg, stage)
         if stage == "evaluate":
