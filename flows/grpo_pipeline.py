@@ -268,8 +268,8 @@ def _execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence
         # it pass through that lock instead of refusing each other (in the workspace itself: a no-op)
         with copy as work, workspace_lock(f"flow run {name}", work):
             tags = {"prefect.flow_run_id": str(flow_run.id)} if flow_run.id else {}
-            if overrides:
-                tags["grpo.experiment"] = name
+            if overrides:  # saved as DVC experiment `name` (as `dvc exp run` tags its runs)
+                tags["grpo.experiment"] = tags["dvc.exp_name"] = name
             parent = start_pipeline_run(cfg, name=run_name(cfg, None, name), tags=tags)
             try:
                 results = run_chain(stages, work, cfg, parent, name if overrides else None, root, parallel)

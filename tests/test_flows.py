@@ -313,6 +313,9 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     assert {r.data.tags["mlflow.source.git.commit"] for r in all_runs} == {head}
     assert "grpo/reward" in mine.data.metrics and any(k.startswith("eval/grpo/") for k in mine.data.metrics)
     assert mine.data.tags["grpo.experiment"] == out["experiment"]
+    # tagged like `dvc exp run`'s runs: the experiment's name, and params edits do not count as dirty
+    assert {r.data.tags.get("dvc.exp_name") for r in [mine, *children]} == {out["experiment"]}
+    assert {r.data.tags["grpo.dirty"] for r in all_runs} == {"false"}
     # the stages DVC skipped show the results of the runs whose outputs they used (here `dvc repro`'s)
     producers = {r.data.tags["grpo.stage"]: r.info.run_id for r in top}
     first_parent = parents[str(first_id)]

@@ -100,19 +100,22 @@ def test_relative_sqlite_uri_resolves_at_the_repository_root(tmp_path, monkeypat
     assert resolve_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
 
 
-def test_git_state_ignores_pipeline_outputs_but_not_code(tmp_path):
+def test_git_state_ignores_pipeline_outputs_and_params_but_not_code(tmp_path):
     from pipeline.tracking import git_state
 
     env = {**ENV, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     (tmp_path / "plots").mkdir()
     (tmp_path / "plots" / "grpo.csv").write_text("iteration,reward\n0,0.5\n")
     (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "params.yaml").write_text("grpo:\n  lr: 0.001\n")
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "c"]):
         subprocess.run(cmd, cwd=tmp_path, env=env, check=True)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
     assert git_state(tmp_path) == (head, False)
     (tmp_path / "plots" / "grpo.csv").unlink()  # DVC removes a stage's outs before running it
     (tmp_path / "dvc.lock").write_text("schema: '2.0'\n")  # untracked
+    assert git_state(tmp_path) == (head, False)
+    (tmp_path / "params.yaml").write_text("grpo:\n  lr: 0.002\n")  # `dvc exp run -S`: logged as params
     assert git_state(tmp_path) == (head, False)
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_state(tmp_path) == (head, True)

@@ -32,6 +32,10 @@ ROOT_ENV = "DVC_ROOT"
 # The pipeline's own outputs (and the lock DVC writes beside them): a rewritten metric or plot file is
 # a result of the run, not a change to what was run, so it does not make the checkout "dirty".
 OUTPUT_PATHS = (DATA_DIR, CHECKPOINT_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, "dvc.lock")
+# Changed params do not make it "dirty" either: every value is logged as the run's params, so nothing
+# is hidden, and `dvc exp run -S` (which edits params.yaml) and a flow's `--set` (which edits a copy)
+# then tag the same kind of change alike.
+PARAMS_PATHS = ("params.yaml",)
 
 
 class TrackingUnavailableError(InputError):
@@ -77,7 +81,8 @@ def _git(*args: str, cwd: str | Path = ".") -> str | None:
 
 
 def git_state(cwd: str | Path = ".") -> tuple[str | None, bool]:
-    """(HEAD commit, dirty): dirty when a git-tracked file other than the pipeline's outputs changed.
+    """(HEAD commit, dirty): dirty when a git-tracked file other than the pipeline's outputs and its
+    params file (logged in full as the run's params) changed.
 
     Untracked files never count (DVC outputs are git-ignored, and a new file is not part of what
     ran); nothing here reads DVC's files: the outputs are the library's own folders.
@@ -85,7 +90,7 @@ def git_state(cwd: str | Path = ".") -> tuple[str | None, bool]:
     head = _git("rev-parse", "HEAD", cwd=cwd)
     if head is None:
         return None, False
-    excludes = [f":(exclude){p}" for p in OUTPUT_PATHS]
+    excludes = [f":(exclude){p}" for p in (*OUTPUT_PATHS, *PARAMS_PATHS)]
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *excludes, cwd=cwd)
     return head.strip(), bool(status and status.strip())
 

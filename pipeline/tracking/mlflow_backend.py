@@ -218,7 +218,8 @@ def _open_stage_run(client, exp_id: str, cfg: Config, stage: str) -> str:
     if parent_id:  # the commit when the pipeline started, not now
         parent = client.get_run(parent_id)
         tags["mlflow.parentRunId"] = parent_id
-        tags.update({k: v for k, v in parent.data.tags.items() if k in (COMMIT_TAG, "grpo.dirty", "grpo.experiment")})
+        tags.update({k: v for k, v in parent.data.tags.items()
+                     if k in (COMMIT_TAG, "grpo.dirty", "grpo.experiment", "dvc.exp_name")})
     else:
         tags.update(_git_tags())
     return client.create_run(exp_id, tags=tags, run_name=run_name(cfg, stage, tags.get("grpo.experiment"))).info.run_id
