@@ -89,7 +89,7 @@ def test_deps_exist_or_come_from_upstream_and_outs_follow_the_layout():
         assert not any(".resume" in p for p in outs), "resumable state must survive `dvc repro`"
         if name in ("sft", "warmup", "control", "grpo"):
             assert outs[f"checkpoints/{name}"]["kind"] == "outs"
-            assert outs[f"plots/{name}.csv"] == {"kind": "plots", "cache": False}
+            assert outs[f"plots/{name}.csv"] == {"kind": "outs", "cache": False}  # drawn by the top-level plots
     ev = _outs(stages["evaluate"])
     assert ev["metrics/eval.json"] == {"kind": "metrics", "cache": False}
     assert {"plots/accuracy.csv", "plots/accuracy.png", "plots/training_curves.png", "reports"} <= set(ev)
@@ -356,3 +356,20 @@ def test_the_recipes_committed_results_are_those_of_its_params():
     for entry, m in metrics.items():
         cells = recipe_row_cells(m)
         assert all(c in rows[entry] for c in cells), f"README recipe row {entry!r} is not eval.json's: {cells}"
+
+
+def test_dvc_plots_draws_the_named_plots_only():
+    """`dvc plots show` draws the top-level plots (one per signal, warmup and grpo as two lines) and the
+    PNGs, not a raw plot per CSV: the series are outs (`cache: false`), not stage-level `plots:`."""
+    import yaml
+
+    for path in (REPO / "dvc.yaml", REPO / "recipes" / "smollm2" / "dvc.yaml"):
+        spec = yaml.safe_load(path.read_text())
+        assert not [s for s, st in spec["stages"].items() if "plots" in st], path
+        named = [next(iter(p)) if isinstance(p, dict) else p for p in spec["plots"]]
+        assert "reward" in named and "accuracy" in named
+    res = subprocess.run([str(Path(sys.executable).parent / "dvc"), "plots", "show", "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    ids = json.loads(res.stdout)["data"]
+    assert not [i for i in ids if i.endswith(".csv")], list(ids)
+    assert {"reward", "kl", "accuracy"} <= {i.split("::")[-1] for i in ids}
