@@ -157,3 +157,29 @@ def test_an_unknown_device_is_refused_by_the_config():
 
     with pytest.raises(ConfigError, match=r"model.device = 'cudaXYZ' is out of range; allowed: auto, cpu, cuda or cuda:N"):
         smoke_cfg("model.device=cudaXYZ")
+
+
+def test_a_resume_state_moved_in_from_another_seed_or_stage_is_not_resumed(workdir):
+    """Resume folders swapped between seeds or stages (a copy, a restore from a backup, a rename): the
+    state is keyed by the stage's params, the model and the bytes of its inputs, so a state of
+    another seed or of the other GRPO stage is ignored (the run starts at iteration 0), not
+    continued as if it were this run's."""
+    import shutil
+
+    from pipeline.resume import load_resume, save_resume
+    from pipeline.stages.grpo import TrainState, compatibility_key, setup
+
+    runs = {"warmup seed 0": setup(smoke_cfg(), "warmup"), "warmup seed 1": setup(smoke_cfg("warmup.seed=1"), "warmup"),
+            "grpo seed 0": setup(smoke_cfg(), "grpo")}
+    keys = {name: compatibility_key(run) for name, run in runs.items()}
+    assert len(set(keys.values())) == 3
+    mine = runs["warmup seed 0"]
+    save_resume(workdir / "elsewhere", 7, keys["warmup seed 0"], TrainState(total_iters=9, iteration=7), mine.policy,
+                mine.optimizer, mine.generator, keep_last=2)
+    for name in ("warmup seed 1", "grpo seed 0"):  # the seed-0 warmup's state moved into their resume folder
+        run = runs[name]
+        shutil.rmtree(run.paths.resume, ignore_errors=True)
+        shutil.copytree(workdir / "elsewhere", run.paths.resume)
+        assert load_resume(run.paths.resume, keys[name], TrainState, run.policy, run.optimizer, run.generator) is None
+    assert load_resume(workdir / "elsewhere", keys["warmup seed 0"], TrainState, mine.policy, mine.optimizer,
+                       mine.generator).iteration == 7
