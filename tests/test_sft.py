@@ -251,7 +251,7 @@ def test_sft_loss_decreases_and_is_deterministic(workdir):
 
 def test_resume_states_change_no_bit_of_the_run(workdir):
     """Writing a resumable state (weights, AdamW, RNGs, batch order) at every step changes nothing the run
-    computes: it ends with the weights and series of a run that writes none (bench/plateau.py relies on it)."""
+    computes: it ends with the weights and series of a run that writes none (experiments/plateau.py relies on it)."""
     sft.run_sft(smoke_config("sft.save_every=1000"))
     weights, series = Path("checkpoints/sft/model.safetensors").read_bytes(), Path("plots/sft.csv").read_text()
     shutil.rmtree("checkpoints")

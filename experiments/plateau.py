@@ -4,7 +4,7 @@ far more problems than the stage's own check, paired, with 95% intervals.
 The SFT stage's own check (``plots/sft.csv``: a greedy pass over the first ``sft.eval_samples`` = 200
 held-out problems every ``sft.eval_every`` steps) is too coarse for the criterion "its last 20% of
 steps move held-out accuracy by at most 2 points": one problem is 0.5 points, and near 70% accuracy
-neighbouring checks of a flat curve differ by about 3 points. For each seed this bench
+neighbouring checks of a flat curve differ by about 3 points. For each seed this experiment
 
 1. runs the SFT stage of the given params through the CLI (``sft.seed`` = the seed), with a
    resumable checkpoint at every check from the one nearest 80% of the steps on (``sft.save_every =
@@ -22,10 +22,10 @@ neighbouring checks of a flat curve differ by about 3 points. For each seed this
    a quarter of it by default, with the held-out set's share of level 1, beside the fresh problems
    of the other levels, which the fresh set holds in equal numbers as the default held-out set
    does); and the mean over seeds with a two-level bootstrap (one problem draw shared by every seed,
-   then the seeds), as ``bench/learning.py`` does (with few seeds, too narrow an interval).
+   then the seeds), as ``experiments/learning.py`` does (with few seeds, too narrow an interval).
 
-    python bench/plateau.py --seeds 0 1 2 --work runs/plateau [--problems 2400] [--gsm8k PATH] [--set k=v ...]
-    python bench/plateau.py --work runs/plateau --report        # re-read finished seeds only
+    python experiments/plateau.py --seeds 0 1 2 --work runs/plateau [--problems 2400] [--gsm8k PATH] [--set k=v ...]
+    python experiments/plateau.py --work runs/plateau --report        # re-read finished seeds only
     # the stages' and the scoring's CPU kernels are the params' (model.cpu_kernels; native by default)
     # last line: JSON with every figure
 
@@ -44,9 +44,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_gsm8k, emit  # noqa: E402
-from learning import add_seed_args, bench_overrides, bootstrap, over_seeds, prepare, run_stage, sft_curve  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/, experiments/, pipeline/
+from bench.common import default_gsm8k, emit  # noqa: E402
+from experiments.learning import (add_seed_args, bench_overrides, bootstrap, over_seeds, prepare,  # noqa: E402
+                                  run_stage, sft_curve)
 
 from pipeline.files import read_rows, write_bytes_atomic  # noqa: E402
 from pipeline.lock import workspace_lock  # noqa: E402
@@ -176,7 +177,7 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
 
     folder = work / f"seed-{seed}"
     folder.mkdir(parents=True, exist_ok=True)
-    with workspace_lock(f"bench/plateau.py seed {seed}", root=folder):
+    with workspace_lock(f"experiments/plateau.py seed {seed}", root=folder):
         if not (folder / "params.yaml").exists():
             shutil.copy(params, folder / "params.yaml")
         elif (folder / "params.yaml").read_bytes() != params.read_bytes():
@@ -212,7 +213,8 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
                 raise SystemExit(f"the SFT of seed {seed} failed (exit {exc.returncode}): see {folder / 'sft.log'}")
         if not kept.is_dir():
             raise SystemExit(f"{folder}: no step-{ref} checkpoint of these params was kept (the SFT ended without "
-                             f"writing one while this bench watched); remove {folder / 'checkpoints'} and run again")
+                             f"writing one while this experiment watched); remove {folder / 'checkpoints'} "
+                             "and run again")
         result = {"seed": seed, "ref_step": ref, "last_step": cfg.sft.steps, "wall_s": wall,
                   "sft_curve": sft_curve(folder), "overrides": sets, **score(folder, cfg, ref, n_fresh)}
         write_bytes_atomic(done, json.dumps(result).encode())
@@ -228,7 +230,7 @@ def mixed_bootstrap(results: list[dict], rng, draws: int = 10_000) -> tuple[floa
     """(mean, 95% low, 95% high) of the move on the held-out set's level mix: level 1 from the held-out
     problems (the fresh set has none), the other levels from the fresh problems, weighted by the
     held-out set's share of level 1. Each stratum's problems resampled once per draw, the same draw for
-    every seed (the seeds are scored on the same problems, as in `bench/learning.py`'s `bootstrap`),
+    every seed (the seeds are scored on the same problems, as in `experiments/learning.py`'s `bootstrap`),
     then the seeds."""
     import numpy as np
 

@@ -7,7 +7,7 @@ With ``--errors`` it also sorts the wrong greedy answers by their first line tha
 worked gold solution (:func:`classify_error`): a wrong one-digit fact on the right operands, a
 miscopied operand, or other. Lines are read with a small integer parser, never evaluated.
 
-    python bench/arith_probe.py checkpoints/sft [--k 8] [--data data/arith_eval.jsonl] [--errors]
+    python experiments/arith_probe.py checkpoints/sft [--k 8] [--data data/arith_eval.jsonl] [--errors]
     # last line: JSON with the overall and per-level figures
 """
 

@@ -1,9 +1,10 @@
-"""The error classifier of bench/arith_probe.py (a benchmark tool, so its test lives beside it, not in tests/)."""
+"""The error classifier of experiments/arith_probe.py (an experiment's tool, so its test lives beside it, not in
+tests/)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.arith_probe import calc, classify_error, tally
+from experiments.arith_probe import calc, classify_error, tally
 
 SOLUTION = "0 + 6 = 6.\n10 + 6 = 16.\n6 * 9 = 54.\n1 * 9 + 5 = 14.\n16 * 9 = 144.\n<answer>144</answer>"
 

@@ -1,15 +1,12 @@
-"""bench/recipe_report.py: paired differences by hand, and the report over a small pipeline folder."""
+"""experiments/recipe_report.py: paired differences by hand, and the report over a small pipeline folder."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import recipe_report as rr  # noqa: E402
+from experiments import recipe_report as rr
 
 
 def test_paired_difference_hand_computed():

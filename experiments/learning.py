@@ -15,14 +15,14 @@ much held-out accuracy moved over its last 20% of steps, from ``plots/sft.csv``)
 difference warmup - control (the same seed's checkpoints on the same problems) with its interval,
 and the same figures per curriculum level of the held-out problems (where the prepared data is there).
 
-    python bench/learning.py --seeds 0 1 2 --work runs/learning [--gsm8k PATH] [--jobs 1] [--set k=v ...]
-    python bench/learning.py --work runs/learning --report      # re-read finished seeds only
-    python bench/learning.py --work runs/learning --report --rescore   # ... scoring their checkpoints again
-    python bench/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
-    python bench/learning.py --work runs/learning --report --run .   # the seeds and the run in one table
-    python bench/learning.py --work runs/new --report --against runs/learning   # each checkpoint, new - old, paired
-    python bench/learning.py --seeds 0 1 --work runs/learning --sft-from runs/plateau [--set k=v ...]
-        # each seed's SFT taken from bench/plateau.py's work folder (checked to be this run's SFT), not trained
+    python experiments/learning.py --seeds 0 1 2 --work runs/learning [--gsm8k PATH] [--jobs 1] [--set k=v ...]
+    python experiments/learning.py --work runs/learning --report      # re-read finished seeds only
+    python experiments/learning.py --work runs/learning --report --rescore   # ... scoring their checkpoints again
+    python experiments/learning.py --run .          # a finished pipeline run (its evaluate stage's reports/)
+    python experiments/learning.py --work runs/learning --report --run .   # the seeds and the run in one table
+    python experiments/learning.py --work runs/new --report --against runs/learning  # per checkpoint, new - old, paired
+    python experiments/learning.py --seeds 0 1 --work runs/learning --sft-from runs/plateau [--set k=v ...]
+        # each seed's SFT taken from experiments/plateau.py's work folder (checked to be this run's SFT), not trained
     # the stages' and the scoring's CPU kernels are the params' (model.cpu_kernels; native by default)
     # last line: JSON with every figure
 """
@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, default_gsm8k, machine_line  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/, pipeline/
+from bench.common import ROOT, default_gsm8k, machine_line  # noqa: E402
 
 from pipeline.files import write_bytes_atomic  # noqa: E402
 from pipeline.lock import workspace_lock  # noqa: E402
@@ -81,7 +81,7 @@ def seed_sets(seed: int) -> list[str]:
 
 
 # SFT settings that change no bit of its run (tests/test_sft.py): when resumable checkpoints are written
-# and how many are kept. bench/plateau.py sets both; any value stands for all here.
+# and how many are kept. experiments/plateau.py sets both; any value stands for all here.
 BITLESS_SFT = {"save_every": 1, "keep_last": 1}
 
 
@@ -103,12 +103,12 @@ def sft_key(folder: Path, overrides: list[str]) -> str:
 
 def adopt_sft(source: Path, folder: Path, sets: list[str]) -> None:
     """Take a seed's SFT (``checkpoints/sft`` and ``plots/sft.csv``) from `source`, the same seed's
-    folder of a finished ``bench/plateau.py`` run, after checking that it is the SFT this seed's stage
+    folder of a finished ``experiments/plateau.py`` run, after checking that it is the SFT this seed's stage
     would train (:func:`sft_key` of its recorded overrides against `sets`). The checkpoint appears
     atomically, last, so a seed folder with it has its SFT whole."""
     done, ckpt = source / "plateau.json", source / "checkpoints" / "sft"
     if not done.is_file() or not (ckpt / "config.json").is_file():
-        raise SystemExit(f"{source}: no finished SFT there (run bench/plateau.py for this seed first)")
+        raise SystemExit(f"{source}: no finished SFT there (run experiments/plateau.py for this seed first)")
     theirs = json.loads(done.read_text())["overrides"]
     if sft_key(source, theirs) != sft_key(folder, sets):
         raise SystemExit(f"{source}: its SFT ran with other params or data than this seed's (its overrides: "
@@ -141,7 +141,7 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
 
     # the seed's folder is one workspace: this process holds its lock and the stages pass through it
     # (pipeline.lock), so warmup and control can run side by side, one core each, as the flow runs them
-    with workspace_lock(f"bench/learning.py seed {seed}", root=folder):
+    with workspace_lock(f"experiments/learning.py seed {seed}", root=folder):
         if sft_from is not None and not (folder / "checkpoints" / "sft" / "config.json").is_file():
             adopt_sft(sft_from / f"seed-{seed}", folder, sets)
         stage("sft")
@@ -356,7 +356,7 @@ def print_against(table: dict, other: Path) -> None:
 
 
 def add_seed_args(ap: argparse.ArgumentParser, work_required: bool) -> None:
-    """The flags of a bench that trains seeds in a working folder (this one, bench/plateau.py)."""
+    """The flags of an experiment that trains seeds in a working folder (this one, experiments/plateau.py)."""
     ap.add_argument("--work", type=Path, required=work_required,
                     help="working folder (kept: finished seeds are reused)")
     ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
@@ -368,8 +368,8 @@ def add_seed_args(ap: argparse.ArgumentParser, work_required: bool) -> None:
 
 def bench_overrides(args: argparse.Namespace) -> list[str]:
     """The stages' overrides (no tracking, one thread per process, then the user's `--set`s), with this
-    process's CPU kernels pinned as the stages' CLI pins them (`model.cpu_kernels`), so the bench's own
-    scoring computes as the stages do; a bad param or a pin this CPU lacks exits with its one line."""
+    process's CPU kernels pinned as the stages' CLI pins them (`model.cpu_kernels`), so the experiment's
+    own scoring computes as the stages do; a bad param or a pin this CPU lacks exits with its one line."""
     from pipeline.cli import exit_status
     from pipeline.config_loading import load_config
     from pipeline.kernels import apply as pin_cpu_kernels
@@ -401,7 +401,7 @@ def main() -> None:
                     help="with --report: another --work folder of the same seeds (e.g. the recipe before a change); "
                          "also prints each checkpoint's paired difference, this folder's minus that one's")
     ap.add_argument("--sft-from", type=Path, default=None,
-                    help="a bench/plateau.py --work folder: each seed's SFT is taken from its seed-N there "
+                    help="a experiments/plateau.py --work folder: each seed's SFT is taken from its seed-N there "
                          "(refused unless it is this run's SFT: the same params, overrides and data), not trained")
     args = ap.parse_args()
     if args.run is None and args.work is None:

@@ -1,4 +1,4 @@
-"""bench/plateau.py: the reference check, the fresh problems (disjoint by expression, levels
+"""experiments/plateau.py: the reference check, the fresh problems (disjoint by expression, levels
 round-robin), the checkpoint keeper, and the per-problem moves and their report."""
 
 import random
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.learning import plateau_move
-from bench.plateau import (Keeper, expression_of, fresh_rows, mixed_bootstrap, moves, reference_step, report,
+from experiments.learning import plateau_move
+from experiments.plateau import (Keeper, expression_of, fresh_rows, mixed_bootstrap, moves, reference_step, report,
                            stored_key)
 from pipeline.data.arithmetic import MAX_LEVEL, PHRASINGS, sample_problem, to_row
 from pipeline.rewards.parsing import extract_answer
@@ -31,8 +31,8 @@ def test_reference_step_is_the_check_nearest_80_percent():
 
 
 @given(st.integers(2, 5000), st.integers(1, 1000))
-def test_reference_step_is_the_check_bench_learning_compares(steps, every):
-    """The same check as bench/learning.py's plateau_move reads off plots/sft.csv (checks at every
+def test_reference_step_is_the_check_experiments_learning_compares(steps, every):
+    """The same check as experiments/learning.py's plateau_move reads off plots/sft.csv (checks at every
     `every` steps and at the end)."""
     checks = list(range(every, steps, every))
     if not checks:

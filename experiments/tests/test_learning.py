@@ -1,4 +1,4 @@
-"""The statistics of bench/learning.py: the plateau check, the two-level bootstrap, and the report of
+"""The statistics of experiments/learning.py: the plateau check, the two-level bootstrap, and the report of
 one finished pipeline run (its evaluate stage's predictions)."""
 
 import csv
@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from bench.learning import against, bootstrap, counted_twice, held_out_levels, plateau_move, report, run_seeds, scored_run
+from experiments.learning import (against, bootstrap, counted_twice, held_out_levels, plateau_move, report, run_seeds,
+                                  scored_run)
 
 
 def test_plateau_move_compares_the_last_check_with_the_one_nearest_80_percent():
@@ -120,8 +121,8 @@ def test_the_table_per_level_takes_only_that_levels_problems(tmp_path):
 
 @pytest.mark.slow
 def test_a_seed_is_scored_as_its_evaluate_stage_scores_it(tmp_path):
-    """bench/learning.py end to end on the smoke params (one seed: sft, then warmup and control side by
-    side), then the pipeline's own evaluate stage in that seed's folder: the bench's greedy pass gives
+    """experiments/learning.py end to end on the smoke params (one seed: sft, then warmup and control side by
+    side), then the pipeline's own evaluate stage in that seed's folder: the experiment's greedy pass gives
     the evaluate stage's completions and correctness on every held-out problem (same batch size,
     generation budget and verifier), so its seed-0 figures are the ones a pipeline run commits."""
     import json
@@ -130,12 +131,12 @@ def test_a_seed_is_scored_as_its_evaluate_stage_scores_it(tmp_path):
     import sys
     from pathlib import Path
 
-    from bench.learning import STAGES, greedy_predictions, seed_sets
+    from experiments.learning import STAGES, greedy_predictions, seed_sets
 
     root = Path(__file__).resolve().parents[2]
     smoke, gsm8k = root / "configs" / "smoke.yaml", root / "tests" / "fixtures" / "gsm8k"
     work = tmp_path / "work"
-    res = subprocess.run([sys.executable, str(root / "bench" / "learning.py"), "--params", str(smoke),
+    res = subprocess.run([sys.executable, str(root / "experiments" / "learning.py"), "--params", str(smoke),
                           "--gsm8k", str(gsm8k), "--seeds", "3", "--work", str(work)],
                          capture_output=True, text=True, check=False, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -165,13 +166,13 @@ def test_a_seed_is_scored_as_its_evaluate_stage_scores_it(tmp_path):
     # --report --rescore scores the finished seed's checkpoints again and keeps the new scores
     stale = {**scores, "correct": {s: [1 - c for c in col] for s, col in scores["correct"].items()}}
     (seed / "scores.json").write_text(json.dumps(stale))
-    res = subprocess.run([sys.executable, str(root / "bench" / "learning.py"), "--work", str(work), "--report",
+    res = subprocess.run([sys.executable, str(root / "experiments" / "learning.py"), "--work", str(work), "--report",
                           "--rescore"], capture_output=True, text=True, check=False, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((seed / "scores.json").read_text())["correct"] == scores["correct"]
     # --report --run: the pipeline run (here the seed's own folder, scored by its evaluate stage) is one
     # more row of the table, with the same figures as the seed
-    res = subprocess.run([sys.executable, str(root / "bench" / "learning.py"), "--work", str(work), "--report",
+    res = subprocess.run([sys.executable, str(root / "experiments" / "learning.py"), "--work", str(work), "--report",
                           "--run", str(seed)], capture_output=True, text=True, check=False, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     both = json.loads(res.stdout.strip().splitlines()[-1])
@@ -180,7 +181,7 @@ def test_a_seed_is_scored_as_its_evaluate_stage_scores_it(tmp_path):
 
 
 def _sft_folder(root, name, smoke, data_text="1\n"):
-    """A seed folder as the benches lay it out: params.yaml and the data files the SFT reads."""
+    """A seed folder as the experiments lay it out: params.yaml and the data files the SFT reads."""
     import shutil
 
     folder = root / name / "seed-0"
@@ -197,7 +198,7 @@ def test_an_sft_is_taken_from_the_plateau_bench_only_if_it_is_this_seeds(tmp_pat
     import json
     from pathlib import Path
 
-    from bench.learning import adopt_sft, seed_sets
+    from experiments.learning import adopt_sft, seed_sets
 
     smoke = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
     base = ["tracking.enabled=false", "model.num_threads=1", "sft.steps=40"]

@@ -1,7 +1,7 @@
 """Paired differences between the checkpoints a recipe's evaluate stage scored, from its predictions.
 
-    python bench/recipe_report.py recipes/smollm2                 # after `make run-instruct`
-    python bench/recipe_report.py recipes/smollm2 --against sft_fewshot --draws 20000
+    python experiments/recipe_report.py recipes/smollm2                 # after `make run-instruct`
+    python experiments/recipe_report.py recipes/smollm2 --against sft_fewshot --draws 20000
 
 Every entry of ``metrics/eval.json`` was scored on the same problems (``reports/predictions_<entry>_
 <task>.csv``, one row per problem in file order), so two entries differ problem by problem: the
