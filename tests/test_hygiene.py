@@ -1,4 +1,4 @@
-"""The test suite's own rules: test modules import neither each other nor bench/ (shared helpers
+"""The test suite's own rules: test modules import neither each other nor bench/ or experiments/ (shared helpers
 live in tests/conftest.py), and nothing under tests/ reads a path outside the repository."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_no_test_module_imports_another_or_bench():
     offenders = {}
     for path in TEST_FILES:
         bad = {m for m in imported_modules(path)
-               if m.split(".")[0] == "bench" or re.match(r"tests\.test_", m) or re.match(r"test_", m)}
+               if m.split(".")[0] in ("bench", "experiments") or re.match(r"tests\.test_", m) or re.match(r"test_", m)}
         if bad:
             offenders[str(path.relative_to(REPO))] = sorted(bad)
     assert not offenders, f"import shared helpers from tests.conftest instead: {offenders}"
