@@ -316,3 +316,28 @@ def test_saved_calls_are_json_data_that_a_later_run_delivers_and_a_foreign_file_
     assert not (tmp_path / "hacked").exists()
     assert sorted(p.suffix for p in folder.iterdir()) == [".invalid", ".pkl"]
     assert c.get_run(other).info.status == "RUNNING" and pending_runs() == set()
+
+
+def test_a_new_version_of_weights_evaluated_before_carries_that_evaluation(store, tmp_path):
+    """grpo re-run to the same weights (DVC then skips or restores evaluate): the new registry version
+    gets the eval.* tags of the earlier version of that checkpoint, instead of an empty row."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking.mlflow_models import _register, tag_model_with_eval
+
+    c = MlflowClient(tracking_uri=store, registry_uri=store)
+    exp = c.create_experiment("registry")
+    first, second = (c.create_run(exp).info.run_id for _ in range(2))
+    (tmp_path / "checkpoints" / "grpo").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "grpo" / "manifest.json").write_text('{"files": {}}')
+    cfg = make_cfg(store, "registry")
+    cfg.tracking.registered_model = "policy-under-test"
+    from pipeline.tracking.mlflow_models import checkpoint_sha256
+
+    sha = checkpoint_sha256(tmp_path / "checkpoints" / "grpo")
+    _register(c, "policy-under-test", first, sha)
+    assert tag_model_with_eval(cfg, {"gsm8k_accuracy": 0.25}) == 1
+    _register(c, "policy-under-test", second, sha)  # the same weights again; evaluate does not run
+    _register(c, "policy-under-test", second, "f" * 64)  # other weights: nothing to carry
+    versions = {str(v.version): v.tags for v in c.search_model_versions("name = 'policy-under-test'")}
+    assert versions["2"]["eval.gsm8k_accuracy"] == "0.25" and "eval.gsm8k_accuracy" not in versions["3"]

@@ -56,7 +56,11 @@ def _register(client, name: str, run_id: str, sha: str) -> None:
         if "already exists" not in str(exc).lower() and "RESOURCE_ALREADY_EXISTS" not in str(exc):
             raise
     source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/checkpoint"
-    client.create_model_version(name, source, run_id=run_id, tags={CHECKPOINT_TAG: sha})
+    # the same weights evaluated before (a re-run DVC's evaluate then skips, or restores from its run
+    # cache): the new version carries that evaluation too, not an empty row in the registry
+    earlier = {k: v for mv in client.search_model_versions(f"name = '{name}'")
+               if mv.tags.get(CHECKPOINT_TAG) == sha for k, v in mv.tags.items() if k.startswith("eval.")}
+    client.create_model_version(name, source, run_id=run_id, tags={CHECKPOINT_TAG: sha, **earlier})
 
 
 def tag_model_with_eval(cfg: Config, metrics: dict[str, float]) -> int:
