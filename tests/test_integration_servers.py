@@ -525,3 +525,152 @@ def test_a_lagging_server_costs_time_not_a_finished_runs_end_or_its_points(tmp_p
     # waited, saying so (default); or saved what was left (2 s bound), and the next start delivered it
     assert (len(pending) == 1) if end_timeout else (not pending and "is slow:" in first.stderr), first.stderr
     assert not list((tmp_path / "mlruns" / "pending").glob("*"))
+
+
+# --------------------------------------------------------------------------- a killed serving process
+
+def served_deployment(client, name: str, serve: subprocess.Popen, log: Path, timeout: float = 120):
+    """The deployment once `python -m flows.serve` has registered it (failing on its exit or a timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        try:
+            return client.read_deployment_by_name(name)
+        except Exception:  # not registered yet
+            time.sleep(0.5)
+
+
+def wait_run(client, run_id, done, what: str, timeout: float, log: Path):
+    """The flow run once `done(run)` holds, polled every 0.5 s; fails naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not done(run := client.read_flow_run(run_id)):
+        assert time.monotonic() < deadline, (what, run.state, log.read_text()[-4000:])
+        time.sleep(0.5)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_killed_serving_process_leaves_no_ghost_holding_the_slot(tmp_path, prefect_server):
+    """kill -9 of `python -m flows.serve` (its process group and the stages' groups) while its run is in
+    grpo leaves that run RUNNING, holding the deployment's single slot; serving again ends it Crashed
+    (one line), so the next trigger starts within seconds (it waited ~5 min for Prefect's lease) and
+    completes, resuming grpo."""
+    import contextlib
+
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    repo = stoppable_repo(tmp_path / "repo")
+    env = flow_env(repo, PREFECT_API_URL=prefect_server["url"])
+    cmd = [sys.executable, "-m", "flows.serve", "--name", "itest", "--cron", "0 3 * * *"]
+    logs = [tmp_path / "serve1.log", tmp_path / "serve2.log"]
+    serve = start(cmd, repo, env, logs[0])
+    second = None
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                served_deployment(client, "grpo-pipeline/itest", serve, logs[0])
+                ghost = run_deployment("grpo-pipeline/itest", timeout=0)
+                deadline = time.monotonic() + 300
+                while not (repo / "checkpoints" / "grpo.resume" / "step_000003").exists():
+                    assert serve.poll() is None and time.monotonic() < deadline, logs[0].read_text()[-3000:]
+                    time.sleep(0.2)
+                kill_9_tree(serve.pid)  # the serving process, its flow-run process and the stages
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(serve.pid, signal.SIGKILL)
+                serve.wait()
+                assert client.read_flow_run(ghost.id).state.is_running()  # nothing told the server
+
+                second = start(cmd, repo, {**env, "GRPO_STEPS": "6"}, logs[1])
+                served_deployment(client, "grpo-pipeline/itest", second, logs[1])
+                t0 = time.monotonic()
+                run = run_deployment("grpo-pipeline/itest", timeout=0)
+                wait_run(client, run.id, lambda r: r.state.type.value != "SCHEDULED", "the second run's start",
+                         60, logs[1])  # the lease Prefect would wait for is 300 s
+                started = time.monotonic() - t0
+                state = client.read_flow_run(ghost.id).state
+                assert state.is_crashed() and "the serving process was killed" in state.message, state
+                lines = [x for x in logs[1].read_text().splitlines() if x.startswith("reconciled run")]
+                assert len(lines) == 1 and str(ghost.id) in lines[0] and "Running -> Crashed" in lines[0], lines
+                done = wait_run(client, run.id, lambda r: r.state.is_final(), "the second run's end", 300, logs[1])
+                assert done.state.is_completed(), (done.state, logs[1].read_text()[-4000:])
+        print(f"the run after the kill started {started:.1f} s after its trigger")
+        assert "grpo resumed from step" in logs[1].read_text()
+    finally:
+        for proc in (serve, second):
+            if proc is not None:
+                stop(proc)
+        kill_leftovers(repo / "out")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_reconcile_ends_only_this_hosts_dead_runs_and_never_frees_a_live_runs_slot(tmp_path, prefect_server, capsys):
+    """Against a real server, runs of a deployment with a limit of 5, each Running with the slot and
+    lease the server gave it: only the run whose recorded process is gone from this host ends (Crashed,
+    a Cancelling one Cancelled) and gives its slot back; a live process's run, another host's, a bare
+    pid and a run with no record stay. A dead run whose lease is gone stays while the slots counted could
+    all be live runs' (ending it would free one of theirs), and ends once the count is one the gone
+    lease left behind."""
+    import socket
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling, Completed, Pending, Running
+
+    from flows.reconcile import reconcile
+
+    host, dead = socket.gethostname(), dead_pid()
+    records = {"ghost": f"{host}:{dead}", "cancelling": f"{host}:{dead}", "live": f"{host}:{os.getpid()}",
+               "elsewhere": f"not-{host}:{dead}", "bare": str(dead), "none": None}
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            flow_id = client.create_flow_from_name("grpo-pipeline")
+            dep = client.create_deployment(flow_id, "unit", concurrency_limit=len(records))
+            runs = {}
+            for what, record in records.items():
+                run = client.create_flow_run_from_deployment(dep)
+                for state in (Pending(), Running(), *([Cancelling()] if what == "cancelling" else [])):
+                    assert client.set_flow_run_state(run.id, state).status.value == "ACCEPT", what
+                if record:
+                    client.update_flow_run(run.id, infrastructure_pid=record)
+                runs[what] = run.id
+
+            def slots() -> int:
+                return client.read_deployment_by_name("grpo-pipeline/unit").global_concurrency_limit.active_slots
+
+            def state_of(what: str):
+                return client.read_flow_run(runs[what]).state
+
+            assert slots() == len(records)
+            assert sorted(reconcile("grpo-pipeline/unit")) == sorted(str(runs[w]) for w in ("ghost", "cancelling"))
+            assert state_of("ghost").is_crashed() and state_of("cancelling").is_cancelled()
+            assert all(state_of(w).is_running() for w in ("live", "elsewhere", "bare", "none"))
+            assert slots() == len(records) - 2
+            out = capsys.readouterr().out.splitlines()
+            assert len(out) == 2 and all(x.startswith("reconciled run") for x in out), out
+
+            # a dead run whose lease the server reclaimed (what its lease reaper does) while others hold slots
+            client.update_flow_run(runs["elsewhere"], infrastructure_pid=f"{host}:{dead}")
+            client.release_concurrency_slots_with_lease(state_of("elsewhere").state_details.deployment_concurrency_lease_id)
+            assert slots() == len(records) - 3 and reconcile("grpo-pipeline/unit") == []
+            assert state_of("elsewhere").is_running() and slots() == len(records) - 3
+            assert capsys.readouterr().out.startswith(f"left run '{client.read_flow_run(runs['elsewhere']).name}'")
+            # the others end; a slot still counted without its lease (a restarted server forgets leases)
+            for what in ("live", "bare", "none"):
+                client.set_flow_run_state(runs[what], Completed())
+            limit = client.read_deployment_by_name("grpo-pipeline/unit").global_concurrency_limit
+            client.increment_concurrency_slots([limit.name], slots=1, mode="concurrency")
+            assert slots() == 1 and reconcile("grpo-pipeline/unit") == [str(runs["elsewhere"])]
+            assert state_of("elsewhere").is_crashed() and slots() == 0
