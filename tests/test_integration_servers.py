@@ -281,6 +281,13 @@ def kill_leftovers(out: Path) -> None:
                 pass
 
 
+def as_a_terminal_job() -> None:
+    """In the child before exec: SIGINT back to its default, as a terminal's foreground job has it. A suite
+    started in the background (`cmd &`, nohup) hands its children an ignored SIGINT, which Python then
+    keeps ignoring, and no Ctrl-C could reach the flow."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop_flow_in_grpo(repo: Path, env: dict, sig: int, args: tuple = (), where=None) -> tuple[int, float, str, Path]:
     """Start `python -m flows.grpo_pipeline` in its own process group (a terminal's job), wait until grpo
     has saved 3 more steps in the folder the stages run in (`where()`: default the repo), then send `sig`:
@@ -292,7 +299,8 @@ def stop_flow_in_grpo(repo: Path, env: dict, sig: int, args: tuple = (), where=N
     kept = repo / "checkpoints" / "grpo.resume"  # a state kept by a stopped run: wait for 3 steps more
     step = f"step_{len(list(kept.iterdir())) + 3 if kept.is_dir() else 3:06d}"
     proc = subprocess.Popen([sys.executable, "-m", "flows.grpo_pipeline", *args], cwd=repo, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=as_a_terminal_job)
     work = None
     try:
         deadline = time.monotonic() + 300
