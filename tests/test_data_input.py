@@ -71,7 +71,7 @@ def test_a_50_mb_line_is_refused_with_bounded_memory(tmp_path):
     code = ("import sys\nfrom pipeline.data.gsm8k import load_raw\nfrom pipeline.errors import InputError\n"
             f"try:\n    load_raw({str(src)!r})\nexcept InputError as e:\n    print(e)\n"
             # this process's own peak (VmHWM): ru_maxrss would also count the parent's pages, which
-            # Linux carries into a vforked child's figure (over 1 GB under a long pytest session)
+            # Linux carries into a vforked child's figure (over 1 GB late in a full test run)
             "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
