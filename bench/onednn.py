@@ -1,8 +1,11 @@
-"""oneDNN's fp32 GEMM as a lever the benches can measure: the same linear layers on weights packed for
-oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what Inductor's CPU
-weight freezing calls) instead of MKL's GEMM, which the pipeline's fp32 matmuls use. Another order
-of float sums, so not the pipeline's kernel: `bench/rollout.py --levers` (``ours_hf_onednn``) and
-`bench/grpo_iteration.py --ab-onednn` time what it would give.
+"""The GEMM library as a lever the benches can measure. The pipeline's decode matmuls run on weights
+packed for oneDNN (``pipeline.model.packed``); its other fp32 matmuls (the log-prob and update
+passes) on MKL through ``F.linear``.
+
+- :func:`onednn_linears`: every fp32 ``F.linear`` on oneDNN too, forward and backward
+  (`bench/grpo_iteration.py --ab-onednn`): what oneDNN would give the passes with grad.
+- :func:`mkl_packed`: the decode matmuls on MKL's packed GEMM instead, as before oneDNN
+  (`bench/rollout.py --levers`, ``ours_hf_mkl``: ``onednn_decode_speedup``).
 """
 
 from __future__ import annotations
@@ -14,28 +17,8 @@ import torch
 import torch.nn.functional as F
 
 
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's pre-packed linear: ``torch.ops.mkldnn._reorder_linear_weight``
-    and ``_linear_pointwise``."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        return callable(torch.ops.mkldnn._reorder_linear_weight) and callable(torch.ops.mkldnn._linear_pointwise)
-    except (AttributeError, RuntimeError):
-        return False
-
-
-class OneDNNWeight:
-    """``x @ weight.T + bias`` on oneDNN's copy of `weight` packed once for `rows`-row inputs: the
-    interface of :class:`pipeline.model.packed.PackedWeight` (MKL). Any row count runs on the one
-    packed copy."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> None:
-        self.weight, self.bias = weight, bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+from pipeline.model.packed import MKLWeight, OneDNNWeight, mkl_available
+from pipeline.model.packed import onednn_available as onednn_linear_available
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -77,10 +60,28 @@ def _patched_linear(original):
 
 
 @contextlib.contextmanager
+def mkl_packed() -> Iterator[bool]:
+    """Within the block every weight the pipeline packs (``pipeline.model.packed``: the rollout's) is
+    packed for MKL's GEMM instead of oneDNN's. Yields False, changing nothing, where this torch build
+    has no MKL packed linear."""
+    import pipeline.model.packed as packed_module
+
+    if not mkl_available():
+        yield False
+        return
+    packed_weight = packed_module.PackedWeight
+    packed_module.PackedWeight = MKLWeight
+    try:
+        yield True
+    finally:
+        packed_module.PackedWeight = packed_weight
+
+
+@contextlib.contextmanager
 def onednn_linears() -> Iterator[bool]:
     """Within the block every fp32 CPU ``F.linear`` (the pipeline's linear layers, forward and
-    backward) and every weight the pipeline packs for MKL (``pipeline.model.packed``: the rollout's)
-    run on oneDNN. Yields False, changing nothing, where this torch build has no oneDNN linear."""
+    backward) and every weight the pipeline packs (``pipeline.model.packed``: the rollout's) run on
+    oneDNN. Yields False, changing nothing, where this torch build has no oneDNN linear."""
     import pipeline.model.packed as packed_module
 
     if not onednn_linear_available():

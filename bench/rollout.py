@@ -10,24 +10,30 @@ Arms: ``ours_hf_llama`` (the fused Llama decode step, ``pipeline.model.fused_dec
 ``hf_generate``, ``ours_gpt`` (the from-scratch GPT of the same width/depth),
 ``ours_hf_module_step`` (the same shared-prefix decoder with each step through the model's own
 modules: ``fused_step_speedup``), ``weight_matmuls_only`` (our rollout's weight matmuls alone, on
-MKL's packed GEMM as the fused step runs them: what the rollout would cost with every other op free;
-``floor_ratio`` = generate() over it, an estimate of how far ahead of generate() an fp32 engine with
-our arithmetic, one prefill per prompt included, could get on this CPU; ``ours_over_floor``), and the
-same on oneDNN's pre-packed GEMM (``weight_matmuls_only_onednn``, ``floor_ratio_onednn``: faster
-than MKL at these shapes on some CPUs, another order of float sums).
+the packed GEMM the fused step runs them on, oneDNN's where torch has it: what the rollout would
+cost with every other op free; ``floor_ratio`` = generate() over it, an estimate of how far ahead of
+generate() an fp32 engine with our arithmetic, one prefill per prompt included, could get on this
+CPU; ``ours_over_floor``), and the same on MKL's packed GEMM (``weight_matmuls_only_mkl``,
+``onednn_floor_speedup`` = MKL's over oneDNN's: the decode matmuls ran on MKL before).
 ``--bf16``: both engines under bf16 autocast (``ratio_bf16``; slower than fp32 on a CPU without
 bf16 kernels: see the ``kernels`` of the first line), and our module-step decoder too
 (``ratio_module_step_bf16``: the path of a model with no fused step, e.g. GPT-2).
 ``--levers``: the earlier per-row StaticCache decoder and unpacked weights as A/B arms, and our rollout
-with its linear layers on oneDNN instead of MKL (``ours_hf_onednn``, ``bench.onednn``: ``ratio_onednn``,
-``onednn_linear_speedup``; not the pipeline's kernel, which stays MKL's in fp32).
+with its packed weights on MKL's GEMM instead of oneDNN's (``ours_hf_mkl``, ``bench.onednn.mkl_packed``:
+``onednn_decode_speedup`` = MKL's rollout over ours).
 
 Also the ops dispatched per decode step of each engine (``ops_per_decode_step``: a rollout of 16
 new tokens minus one of 8, over 8; load-independent), where our fused step's time goes
 (``step_breakdown``: weight matmuls, attention, the rest; fp32, and bf16 with ``--bf16``), and our
 engine with the KV cache vs recomputing the whole prefix every step.
 
-    .venv/bin/python bench/rollout.py [--repeats 5] [--bf16] [--levers] [--layers 4] [--width 256]
+    .venv/bin/python bench/rollout.py [--repeats 5] [--bf16] [--levers] [--layers 4] [--width 256] [--init DIR]
+
+``--init DIR``: a real Llama-family model instead of the random one (a Hugging Face folder, e.g. the
+SmolLM2 recipe's converted ``recipes/smollm2/model``, fp32 weights; its eos ids switched off on both
+sides so every row decodes ``--new-tokens``; prompts are still random token ids of ``--prompt-len``,
+the shapes being what the engines are timed on); ``--layers``/``--width``/``--heads`` are then the
+model's, and the from-scratch GPT arm (``ours_gpt``, ``ratio_gpt``) is left out.
 
 The last line printed is a JSON object (``ratio`` = generate / ours, with min/median/max).
 Nothing is downloaded: the model is built from a config with random weights.
@@ -51,7 +57,8 @@ import torch
 
 from bench.common import (add_decode_workload_args, alternate, count_aten_ops, fmt_ratios, load_avg,
                           machine_line, median, pair_ratios)
-from bench.onednn import OneDNNWeight, onednn_linear_available, onednn_linears
+from bench.onednn import mkl_packed
+from pipeline.model.packed import MKLWeight, library, mkl_available
 from pipeline.config import ModelConfig
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.hf import HFDecoder, HFTokenizer
@@ -89,6 +96,18 @@ class NoCacheDecoder:
         return self.policy.logits(self.ids, self.mask)[:, -1].float()
 
 
+def load(init: str):
+    """(the real model's policy, None, vocabulary) from a Hugging Face folder (fp32 weights, no eos)."""
+    from pipeline.model.hf import load_hf
+
+    llama, tok = load_hf(init)
+    llama.eval()
+    llama.generation_config.eos_token_id = None  # no stop token: exactly max_new_tokens for generate too
+    llama.generation_config.pad_token_id = tok.pad_id
+    hf_policy = Policy(llama, tok, ModelConfig(backend="hf", init=str(init), device="cpu"))
+    return hf_policy, None, llama.config.vocab_size
+
+
 def build(layers: int, width: int, heads: int):
     from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -109,30 +128,30 @@ def build(layers: int, width: int, heads: int):
     return hf_policy, gpt_policy, V
 
 
-def on_onednn(run):
-    """`run` (a rollout) with every fp32 linear layer on oneDNN instead of MKL (the weights the fused step
-    and the module path pack, ``pipeline.model.packed``, and any plain ``F.linear``): the
-    ``ours_hf_onednn`` lever (:func:`bench.onednn.onednn_linears`)."""
+def on_mkl(run):
+    """`run` (a rollout) with the weights the fused step and the module path pack
+    (``pipeline.model.packed``) on MKL's packed GEMM instead of oneDNN's: the ``ours_hf_mkl`` arm
+    (:func:`bench.onednn.mkl_packed`)."""
     def wrapped():
-        with onednn_linears():
+        with mkl_packed():
             run()
     return wrapped
 
 
-def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tokens: int, gemm: str = "mkl"):
+def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tokens: int, gemm: str = "pipeline"):
     """Our rollout's weight matmuls and nothing else: the prefill's (every layer's q/k/v, o, gate/up and
     down weights on the B x Tp prompt tokens, the LM head on the B last ones) and each decode step's
     (the same weights and the head on all N rows, for the new_tokens - 1 steps after the prefill), on
-    MKL's packed GEMM as the fused step runs them (`gemm` "mkl"; packed outside the timed calls, the
-    same inputs each step) or on oneDNN's (`gemm` "onednn", :class:`bench.onednn.OneDNNWeight`). No attention,
+    the packed GEMM the fused step runs them on (`gemm` "pipeline"; packed outside the timed calls, the
+    same inputs each step) or on MKL's (`gemm` "mkl", :class:`pipeline.model.packed.MKLWeight`). No attention,
     norms, sampling or bookkeeping: what the rollout would cost with every other op free. It is an
     estimate, not a bound: generate() prefills all B x G rows where ours prefills each prompt once,
     so ``floor_ratio`` includes that saving (bench/tests/test_rollout_floor.py checks the FLOPs equal
-    our engine's). ``floor_ratio_onednn`` is the same with the faster GEMM at these shapes."""
+    our engine's)."""
     from pipeline.model.fused_decode import _Layer, _Linear  # the fused step's own fused, packed weights
 
     def on(f: _Linear, n: int):
-        return f if gemm == "mkl" else OneDNNWeight(f.weight, f.bias, n)
+        return f if gemm == "pipeline" else MKLWeight(f.weight, f.bias, n)
 
     def layer_linears(n: int):  # every layer's weights, packed for n-row calls as the fused step packs them
         fns = [on(f, n) for layer in llama.model.layers for L in [_Layer(layer, n)]
@@ -228,10 +247,15 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="also both engines under bf16 autocast")
     ap.add_argument("--levers", action="store_true",
                     help="also the earlier engines (per-row StaticCache decoder, unpacked weights) as A/B arms")
+    ap.add_argument("--init", default=None, metavar="DIR",
+                    help="a real Llama-family Hugging Face folder instead of the random model (no GPT arm)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    hf_policy, gpt_policy, V = build(args.layers, args.width, args.heads)
+    hf_policy, gpt_policy, V = load(args.init) if args.init else build(args.layers, args.width, args.heads)
+    if args.init:
+        c = hf_policy.module.config
+        args.layers, args.width, args.heads = c.num_hidden_layers, c.hidden_size, c.num_attention_heads
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(10, V, (args.prompts, args.prompt_len), generator=g)
     prompt_list = prompt_ids.tolist()
@@ -278,27 +302,31 @@ def main() -> None:
         return HFDecoder(llama, max_len, fused=False)
 
     module_step = variant(module_decoder)
-    runs = {"ours_hf_llama": ours(hf_policy), "hf_generate": hf_generate(), "ours_gpt": ours(gpt_policy),
+    runs = {"ours_hf_llama": ours(hf_policy), "hf_generate": hf_generate(),
+            **({"ours_gpt": ours(gpt_policy)} if gpt_policy is not None else {}),
             "ours_hf_module_step": ours(module_step),
             "weight_matmuls_only": weight_matmuls_only(llama, args.prompts, args.prompt_len,
                                                        args.prompts * args.group, args.new_tokens)}
-    onednn = onednn_linear_available()
+    onednn = library() == "onednn" and mkl_available()  # the pipeline packs for oneDNN; MKL as the A/B arm
     if onednn:
-        runs["weight_matmuls_only_onednn"] = weight_matmuls_only(llama, args.prompts, args.prompt_len,
-                                                                 args.prompts * args.group, args.new_tokens, "onednn")
+        runs["weight_matmuls_only_mkl"] = weight_matmuls_only(llama, args.prompts, args.prompt_len,
+                                                              args.prompts * args.group, args.new_tokens, "mkl")
     if args.bf16:
         runs |= {"ours_hf_bf16": ours(variant(None, "bfloat16")), "hf_generate_bf16": hf_generate(dtype=torch.bfloat16),
                  "ours_hf_module_step_bf16": ours(variant(module_decoder, "bfloat16"))}
     if args.levers:
         runs |= {"ours_hf_static_cache": ours(variant(lambda max_len: HFDecoder(llama, max_len, shared_prefix=False))),
-                 "ours_hf_unpacked": unpacked(ours(hf_policy)), "ours_gpt_unpacked": unpacked(ours(gpt_policy))}
+                 "ours_hf_unpacked": unpacked(ours(hf_policy))}
+        if gpt_policy is not None:
+            runs["ours_gpt_unpacked"] = unpacked(ours(gpt_policy))
         if onednn:
-            runs["ours_hf_onednn"] = on_onednn(ours(hf_policy))
+            runs["ours_hf_mkl"] = on_mkl(ours(hf_policy))
     print(machine_line(args.threads))
     times = alternate(runs, args.repeats)
     ops = {"ours_hf_llama": ops_per_step(lambda n: ours(hf_policy, n)),
-           "ours_hf_module_step": ops_per_step(lambda n: ours(module_step, n)),
-           "ours_gpt": ops_per_step(lambda n: ours(gpt_policy, n)), "hf_generate": ops_per_step(hf_generate)}
+           "ours_hf_module_step": ops_per_step(lambda n: ours(module_step, n)), "hf_generate": ops_per_step(hf_generate)}
+    if gpt_policy is not None:
+        ops["ours_gpt"] = ops_per_step(lambda n: ours(gpt_policy, n))
     breakdown = {"fp32": step_breakdown(hf_policy, ours(hf_policy))}
     if args.bf16:
         bf16_policy = variant(None, "bfloat16")
@@ -307,30 +335,31 @@ def main() -> None:
     no_cache.decoder = lambda max_len: NoCacheDecoder(no_cache, max_len)
     short = alternate({"cache": ours(hf_policy, args.no_cache_new_tokens),
                        "no_cache": ours(no_cache, args.no_cache_new_tokens)}, 1, warm_up=False)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; Llama {args.layers}x{args.width}, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{args.init + ': ' if args.init else ''}Llama {args.layers}x{args.width}, "
           f"vocab {V}, {args.prompts}x{args.group} completions, prompt {args.prompt_len}, new {args.new_tokens}; "
           f"after the runs: load {load_avg()}")
     for name, ts in times.items():
         print(f"  {name:26s} {n_tokens / median(ts):10.0f} tok/s  (" + ", ".join(f"{t:.3f}s" for t in ts) + ")"
               + (f"  {ops[name]:.0f} ops/decode step" if name in ops else ""))
-    pairs = {"ratio": ("hf_generate", "ours_hf_llama"), "ratio_gpt": ("hf_generate", "ours_gpt"),
+    pairs = {"ratio": ("hf_generate", "ours_hf_llama"),
+             **({"ratio_gpt": ("hf_generate", "ours_gpt")} if gpt_policy is not None else {}),
              "fused_step_speedup": ("ours_hf_module_step", "ours_hf_llama"),
              "floor_ratio": ("hf_generate", "weight_matmuls_only"),
              "ours_over_floor": ("ours_hf_llama", "weight_matmuls_only")}
     if onednn:
-        pairs |= {"floor_ratio_onednn": ("hf_generate", "weight_matmuls_only_onednn"),
-                  "onednn_floor_speedup": ("weight_matmuls_only", "weight_matmuls_only_onednn")}
+        pairs |= {"onednn_floor_speedup": ("weight_matmuls_only_mkl", "weight_matmuls_only")}
     if args.bf16:
         pairs |= {"ratio_bf16": ("hf_generate_bf16", "ours_hf_bf16"), "bf16_speedup": ("ours_hf_llama", "ours_hf_bf16"),
                   "ratio_module_step_bf16": ("hf_generate_bf16", "ours_hf_module_step_bf16")}
     if args.levers:
         pairs |= {"shared_prefix_speedup": ("ours_hf_static_cache", "ours_hf_llama"),
-                  "packed_linear_speedup_hf": ("ours_hf_unpacked", "ours_hf_llama"),
-                  "packed_linear_speedup_gpt": ("ours_gpt_unpacked", "ours_gpt")}
+                  "packed_linear_speedup_hf": ("ours_hf_unpacked", "ours_hf_llama")}
+        if gpt_policy is not None:
+            pairs["packed_linear_speedup_gpt"] = ("ours_gpt_unpacked", "ours_gpt")
         if onednn:
-            pairs |= {"ratio_onednn": ("hf_generate", "ours_hf_onednn"),
-                      "onednn_linear_speedup": ("ours_hf_llama", "ours_hf_onednn")}
-    result = {"ours_tok_s": round(n_tokens / median(times["ours_hf_llama"]), 1),
+            pairs |= {"onednn_decode_speedup": ("ours_hf_mkl", "ours_hf_llama")}
+    result = {"model": args.init or "llama-random", "ours_tok_s": round(n_tokens / median(times["ours_hf_llama"]), 1),
               "hf_generate_tok_s": round(n_tokens / median(times["hf_generate"]), 1)}
     for key, (slow, fast) in pairs.items():
         result[key] = pair_ratios(times, slow, fast)

@@ -24,12 +24,18 @@ over our iteration i (run right after it), median (min, max) over the repeats.
 ``--ab-formula-gelu``: an extra arm after ours, the same iteration with GPT-2's GELU as transformers'
 eight-op formula instead of one op (``fused_gelu_speedup``: formula / one op, paired).
 
+``--init DIR``: a real model instead of the random GPT-2: any Hugging Face causal LM folder (weights,
+tokenizer; e.g. the SmolLM2 recipe's converted ``recipes/smollm2/model``), loaded in fp32 on both sides;
+each prompt is the pipeline's default template (question + answer-format instruction) rendered by
+the tokenizer's chat template as the prepare stage renders it (``data.chat_template``), given to both
+sides as the same text (``--prompt-len`` is then unused).
+
 ``--grid``: the same in one fresh process per cell over short / long prompts (20 / 128 tokens),
 32 / 128-token completions and G 8 / 16 (other flags passed through), a table of the paired ratios.
 
     make bench-venv && .venv-bench/bin/python bench/vs_trl.py [--repeats 3] [--prompt-len 56] [--new-tokens 32]
         [--group 8] [--prompts 8] [--layers 4] [--width 256] [--beta 0.04] [--ab-shared-prefix]
-        [--ab-formula-gelu] [--dtype float32|bfloat16] [--grid]
+        [--ab-formula-gelu] [--dtype float32|bfloat16] [--grid] [--init DIR]
 
 The last line printed is a JSON object with ``trl_s``, ``ours_s`` and ``speedup`` (min/median/max of
 the paired trl / ours ratios) and ``ours_phases_s`` (our timed iterations' rollout, log-prob and update
@@ -42,6 +48,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import subprocess
 import sys
 import time
@@ -89,6 +96,30 @@ def build_model(folder: Path, layers: int, width: int) -> tuple[int, object]:
     return sum(p.numel() for p in model.parameters()), bpe
 
 
+def chat_rows(n: int, model_dir: Path) -> tuple[list[dict], object]:
+    """`n` addition rows whose prompts are the default template in `model_dir`'s chat template, and the
+    model's tokenizer (pipeline.model.hf's wrapper: ``encode``, ``chat_prompt``)."""
+    from pipeline.model.hf import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(str(model_dir))
+    rows = arith_rows(n)
+    for r in rows:
+        r["prompt"] = tok.chat_prompt(r["prompt"], "")
+    return rows, tok
+
+
+def count_params(model_dir: Path) -> int:
+    """Parameters stored in `model_dir`'s safetensors files (a tied matrix once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                total += math.prod(st.get_slice(key).get_shape())
+    return total
+
+
 def ours_trainer(model_dir: Path, data: list[dict], args):
     """Our GRPO stage's iterations on the HF backend, in the cwd (data/ and checkpoints/ written here)."""
     from pipeline.checkpoint import save_policy
@@ -131,6 +162,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="compute dtype on both sides: bfloat16 is bf16 autocast over fp32 weights (TRL bf16=True)")
     ap.add_argument("--grid", action="store_true", help="every cell of the grid, one fresh process each")
+    ap.add_argument("--init", default=None, metavar="DIR",
+                    help="a Hugging Face causal LM folder to time instead of the random GPT-2 (chat-formatted prompts)")
     return ap.parse_args(argv)
 
 
@@ -140,6 +173,7 @@ def run_grid(args) -> None:
         flags = ["--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens), "--group", str(group)]
         for name in ("repeats", "threads", "layers", "width", "prompts", "beta", "dtype"):
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        flags += ["--init", str(Path(args.init).resolve())] if args.init else []
         arms = ("ab_shared_prefix", "ab_formula_gelu")  # the A/B arms run in every cell too
         flags += [f"--{name.replace('_', '-')}" for name in arms if getattr(args, name)]
         out = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True, check=True).stdout
@@ -171,9 +205,14 @@ def main() -> None:
     from pipeline.model.policy import Policy
 
     with workdir() as tmp:
-        model_dir = tmp / "model"
-        n_params, bpe = build_model(model_dir, args.layers, args.width)
-        data = workload_rows(args.prompts, args.prompt_len, bpe)
+        if args.init:
+            model_dir = Path(args.init).resolve()
+            n_params = count_params(model_dir)
+            data, bpe = chat_rows(args.prompts, model_dir)
+        else:
+            model_dir = tmp / "model"
+            n_params, bpe = build_model(model_dir, args.layers, args.width)
+            data = workload_rows(args.prompts, args.prompt_len, bpe)
         prompt_tokens = sum(len(bpe.encode(r["prompt"])) for r in data) / len(data)
         ours = ours_trainer(model_dir, data, args)
         ours_times: list[float] = []
@@ -249,10 +288,11 @@ def report(args, n_params, prompt_tokens, trl_times, ours_times, ours_phases, pl
     speedup = pair_ratios(timed, "trl", "ours")
     trl_s, ours_s = median(timed["trl"]), median(timed["ours"])
     print(f"{machine_line(torch.get_num_threads())}; trl {trl_version}, transformers {tf_version}")
-    print(f"GPT-2 {args.layers}x{args.width}, {n_params / 1e6:.2f}M params, {args.prompts}x{args.group} completions "
+    model = f"{args.init}" if args.init else f"GPT-2 {args.layers}x{args.width}"
+    print(f"{model}, {n_params / 1e6:.2f}M params, {args.prompts}x{args.group} completions "
           f"of {args.new_tokens} tokens, prompts of {prompt_tokens:.1f} tokens, beta {args.beta}, clip {CLIP}, "
           f"{args.dtype}, "
-          "one update per iteration; random init")
+          "one update per iteration; " + ("chat-formatted prompts" if args.init else "random init"))
     print(f"  TRL GRPOTrainer  {trl_s:7.3f} s/iteration  (warm-up {trl_times[0]:.2f}s; "
           + ", ".join(f"{t:.3f}" for t in timed["trl"]) + ")")
     print(f"  ours (hf)        {ours_s:7.3f} s/iteration  (warm-up {ours_times[0]:.2f}s; "
@@ -276,7 +316,7 @@ def report(args, n_params, prompt_tokens, trl_times, ours_times, ours_phases, pl
         extra.update({"ours_formula_gelu_s": round(median(timed["formula"]), 4), "fused_gelu_speedup": gelu,
                       "ours_formula_gelu_times": [round(t, 4) for t in formula_times]})
     emit({"bench": "vs_trl", "trl_version": trl_version, "transformers_version": tf_version,
-          "threads": args.threads, "params": n_params, "prompt_len": args.prompt_len,
+          "threads": args.threads, "model": args.init or "gpt2-random", "params": n_params, "prompt_len": args.prompt_len,
           "prompt_tokens": round(prompt_tokens, 1), "new_tokens": args.new_tokens, "group": args.group,
           "prompts": args.prompts, "beta": args.beta, "dtype": args.dtype, "load": load_avg(), "trl_s": round(trl_s, 4),
           "ours_s": round(ours_s, 4), "speedup": speedup, "trl_times": [round(t, 4) for t in trl_times],

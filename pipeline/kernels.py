@@ -1,26 +1,28 @@
 """Which CPU kernels a run computes with: `model.cpu_kernels`, applied before torch is imported.
 
-torch picks its vector kernels (AVX2, AVX512, ...) and MKL its GEMM code path from the CPU it runs
-on, and each changes the order of floating-point sums. A run is bit-identical on one machine, not
+torch picks its vector kernels (AVX2, AVX512, ...), MKL its GEMM code path and oneDNN its own (the
+rollout's fp32 decode matmuls, bf16 on CPU) from the CPU it runs on, and each changes the order of
+floating-point sums. A run is bit-identical on one machine, not
 across machines: the same SFT has landed 10 points apart on two CPUs
 (docs/results/reproducibility.md). This param makes the kernels part of the run's params (DVC
 re-runs the stages when it changes; MLflow records what torch reports):
 
-- ``native`` (the default): whatever this CPU has, or ``ATEN_CPU_CAPABILITY`` / ``MKL_CBWR`` from
-  the environment where the user set them;
+- ``native`` (the default): whatever this CPU has, or ``ATEN_CPU_CAPABILITY`` / ``MKL_CBWR`` /
+  ``ONEDNN_MAX_CPU_ISA`` from the environment where the user set them;
 - ``avx2`` / ``avx512``: torch's AVX2 / AVX512 kernels on any x86-64 CPU that has the instruction
-  set, and MKL's conditional numerical reproducibility (CNR) branch of that name. MKL documents that
+  set, oneDNN's code for that set at most (``ONEDNN_MAX_CPU_ISA`` ``AVX2`` / ``AVX512_CORE``: no
+  VNNI, bf16 or AMX instructions, so bf16 on CPU is slower under the pin), and MKL's conditional
+  numerical reproducibility (CNR) branch of that name. MKL documents that
   it honours those branches on Intel CPUs only and takes its ``AUTO`` CNR branch elsewhere (its own
   ISA dispatch with deterministic reductions and fixed cache sizes), whose sums differ from the
   native ones (measured on an AMD CPU: docs/results/reproducibility.md);
-- ``compatible``: torch's scalar kernels and MKL's ``COMPATIBLE`` branch (SSE2 without approximate
-  reciprocals), the one branch MKL documents for every x86-64 CPU, Intel or not; an iteration took
+- ``compatible``: torch's scalar kernels, oneDNN's SSE4.1 code and MKL's ``COMPATIBLE`` branch (SSE2
+  without approximate reciprocals), the one branch MKL documents for every x86-64 CPU, Intel or not; an iteration took
   2.3x the native time on one AMD CPU (docs/results/reproducibility.md).
 
 Which bits agree across CPUs under a pin rests on MKL's and torch's documented behaviour; no pair
 of machines has been compared under one yet. The figures also depend on the thread and process
-counts (``model.num_threads``, ``sft.nproc``), which are params already. oneDNN (bf16 on CPU) and
-CUDA kernels are not pinned. On a CPU that is not x86-64 no setting applies (the run says so). No
+counts (``model.num_threads``, ``sft.nproc``), which are params already. CUDA kernels are not pinned. On a CPU that is not x86-64 no setting applies (the run says so). No
 torch import here: the CLI calls :func:`apply` before anything imports torch.
 """
 
@@ -37,14 +39,15 @@ from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
 
-# setting -> (ATEN_CPU_CAPABILITY, MKL_CBWR, /proc/cpuinfo flags the CPU needs, what torch reports)
+# setting -> (ATEN_CPU_CAPABILITY, MKL_CBWR, /proc/cpuinfo flags the CPU needs, what torch reports,
+# ONEDNN_MAX_CPU_ISA)
 PINS = {
-    "avx2": ("avx2", "AVX2", ("avx2", "fma"), "AVX2"),
-    "avx512": ("avx512", "AVX512", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"), "AVX512"),
-    "compatible": ("default", "COMPATIBLE", (), "DEFAULT"),
+    "avx2": ("avx2", "AVX2", ("avx2", "fma"), "AVX2", "AVX2"),
+    "avx512": ("avx512", "AVX512", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"), "AVX512", "AVX512_CORE"),
+    "compatible": ("default", "COMPATIBLE", (), "DEFAULT", "SSE41"),
 }
 SETTINGS = ("native", *PINS)
-ENV_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR")
+ENV_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
 
 
 def cpu_fields(path: Path = Path("/proc/cpuinfo")) -> dict[str, str] | None:
@@ -83,7 +86,7 @@ def pin_env(setting: str, flags: set[str] | None, machine: str | None = None) ->
         raise InputError(f"model.cpu_kernels = {setting!r}: allowed values are {', '.join(SETTINGS)}")
     if setting == "native" or not is_x86_64(machine):
         return {}
-    aten, mkl, needs, _ = PINS[setting]
+    aten, mkl, needs, _, onednn = PINS[setting]
     if needs and flags is None:
         raise InputError(f"model.cpu_kernels = {setting}: this CPU's feature flags cannot be read (/proc/cpuinfo) "
                          f"to check it has {', '.join(needs)}; set model.cpu_kernels to native or compatible")
@@ -92,7 +95,7 @@ def pin_env(setting: str, flags: set[str] | None, machine: str | None = None) ->
         fits = [name for name, pin in PINS.items() if set(pin[2]) <= (flags or set())]
         raise InputError(f"model.cpu_kernels = {setting}: this CPU lacks {', '.join(missing)}; set model.cpu_kernels "
                          f"to {' or '.join(['native', *fits])}")
-    return {"ATEN_CPU_CAPABILITY": aten, "MKL_CBWR": mkl}
+    return {"ATEN_CPU_CAPABILITY": aten, "MKL_CBWR": mkl, "ONEDNN_MAX_CPU_ISA": onednn}
 
 
 def mkl_branch(value: str, vendor: str | None) -> str:

@@ -64,7 +64,7 @@ def test_fused_step_logits_under_bf16_autocast(hf_dirs):
 def test_linear_casts_its_weight_once_under_autocast():
     """Under bf16 autocast the step's linear layer gives autocast's own result (weight, bias and
     input cast to bf16) but casts the weight and bias on its first call only, and packs nothing for
-    MKL's fp32 GEMM; without autocast it packs on its first call."""
+    the fp32 GEMM; without autocast it packs on its first call."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.manual_seed(0)

@@ -23,10 +23,13 @@ ENV = {**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO)}
 def test_each_setting_sets_both_libraries_or_nothing():
     x86 = "x86_64"
     assert kernels.pin_env("native", AVX512_CPU, x86) == {}
-    assert kernels.pin_env("avx2", AVX512_CPU, x86) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
-    assert kernels.pin_env("avx512", AVX512_CPU, x86) == {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512"}
-    assert kernels.pin_env("compatible", {"sse2"}, x86) == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
-    assert kernels.pin_env("compatible", None, x86) == {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+    assert kernels.pin_env("avx2", AVX512_CPU, x86) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+                                                        "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert kernels.pin_env("avx512", AVX512_CPU, x86) == {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512",
+                                                          "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    compatible = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    assert kernels.pin_env("compatible", {"sse2"}, x86) == compatible
+    assert kernels.pin_env("compatible", None, x86) == compatible
     assert kernels.pin_env("avx2", AVX2_CPU, machine="aarch64") == {}  # no x86 kernels to pin there
 
 
@@ -81,8 +84,9 @@ def test_apply_replaces_a_different_value_from_the_environment_and_says_so(caplo
     monkeypatch.setattr(kernels, "cpuinfo", lambda: (AVX2_CPU, "GenuineIntel"))
     env = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX2", "OTHER": "x"}
     with caplog.at_level(logging.INFO, logger="pipeline.kernels"):
-        assert kernels.apply("avx2", env) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
-    assert env == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OTHER": "x"}
+        assert kernels.apply("avx2", env) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+                                              "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert env == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OTHER": "x"}
     assert [r.getMessage() for r in caplog.records] == [
         "model.cpu_kernels = avx2: ATEN_CPU_CAPABILITY=avx2 replaces avx512 from the environment"]
     env = {"ATEN_CPU_CAPABILITY": "avx512"}
@@ -101,23 +105,31 @@ def test_a_non_intel_cpu_is_told_which_mkl_branch_it_gets(caplog, monkeypatch):
         "AUTO reproducibility branch"]
 
 
-def _capability_after_pin(setting: str) -> str:
+def _capability_after_pin(setting: str) -> tuple[str, str | None]:
     """What torch reports in a fresh process after the pin (MKL's branch is not readable back from
-    torch: its variable is what this returns beside it)."""
+    torch: its variable is what this returns beside it), and the instruction set oneDNN's verbose log
+    names when the rollout's packed linear runs (None where this torch has no oneDNN linear)."""
     code = ("import sys; from pipeline import kernels; kernels.apply(sys.argv[1]); import os, torch; "
-            "print(torch.backends.cpu.get_cpu_capability(), os.environ.get('MKL_CBWR'))")
-    env = {k: v for k, v in ENV.items() if k not in kernels.ENV_VARS}
+            "from pipeline.model import packed\n"
+            "if packed.onednn_available(): packed.OneDNNWeight(torch.ones(4, 8), None, 2)(torch.ones(2, 8))\n"
+            "print('torch:', torch.backends.cpu.get_cpu_capability(), os.environ.get('MKL_CBWR'))")
+    env = {k: v for k, v in ENV.items() if k not in kernels.ENV_VARS} | {"ONEDNN_VERBOSE": "1"}
     res = subprocess.run([sys.executable, "-c", code, setting], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr
-    return res.stdout.strip()
+    lines = res.stdout.splitlines()
+    isa = [line.split("isa:", 1)[1] for line in lines if line.startswith("onednn_verbose") and ",isa:" in line]
+    return next(line for line in lines if line.startswith("torch: ")).removeprefix("torch: "), (isa or [None])[0]
 
 
 @pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
 def test_torch_computes_with_the_pinned_kernels():
-    assert _capability_after_pin("compatible") == "DEFAULT COMPATIBLE"
+    from pipeline.model import packed
+
+    onednn = packed.onednn_available()
+    assert _capability_after_pin("compatible") == ("DEFAULT COMPATIBLE", "Intel SSE4.1" if onednn else None)
     if {"avx2", "fma"} <= (kernels.cpuinfo() or (set(), ""))[0]:
-        assert _capability_after_pin("avx2") == "AVX2 AVX2"
+        assert _capability_after_pin("avx2") == ("AVX2 AVX2", "Intel AVX2" if onednn else None)
 
 
 @pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")

@@ -1,4 +1,4 @@
-"""MKL-packed linear layers for the CPU decode loop (pipeline/model/packed.py)."""
+"""Pre-packed linear layers for the CPU decode loop (pipeline/model/packed.py: oneDNN, else MKL)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pipeline.model import packed
 from pipeline.model.packed import packed_linears
 from pipeline.rollout import rollout_prompts
 
-pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch build has no MKL packed linear ops")
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch build has no packed linear ops")
 
 
 def linear_layers(module: nn.Module) -> list[nn.Module]:

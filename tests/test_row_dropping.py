@@ -196,7 +196,8 @@ def test_sampled_rollouts_drop_finished_groups_with_the_same_bits(any_policy, G,
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_matmul_does_not_depend_on_the_row_count_from_the_cut_minimum(threads):
     """What the same bits rest on: from COMPACT_MIN_ROWS rows up, a row's product with a weight is
-    the same bits whatever the other rows (packed for that count, or plain), on this CPU's kernels."""
+    the same bits whatever the other rows (MKL packed for that count, or plain; oneDNN's one packed
+    copy at any count), on this CPU's kernels."""
     from pipeline.model import packed
     from pipeline.rollout import COMPACT_MIN_ROWS
 
@@ -207,11 +208,14 @@ def test_a_rows_matmul_does_not_depend_on_the_row_count_from_the_cut_minimum(thr
         for out_f, in_f in ((384, 128), (128, 128), (512, 128), (128, 512), (2048, 128)):
             w, x = torch.randn(out_f, in_f, generator=g) * 0.05, torch.randn(128, in_f, generator=g)
             full = torch.nn.functional.linear(x, w)
+            onednn = packed.OneDNNWeight(w, None, 128) if packed.onednn_available() else None
             for m in range(COMPACT_MIN_ROWS, 129, 3):
                 assert torch.equal(torch.nn.functional.linear(x[:m], w), full[:m]), (out_f, in_f, m)
-                if packed.available():
+                if packed.mkl_available():
                     got = torch.ops.mkl._mkl_linear(x[:m], torch.ops.mkl._mkl_reorder_linear_weight(w, m), w, None, m)
                     assert torch.equal(got, full[:m]), (out_f, in_f, m)
+                if packed.onednn_available():  # the rollout's GEMM: one copy packed for 128 rows, any count
+                    assert torch.equal(onednn(x[:m]), onednn(x)[:m]), (out_f, in_f, m)
     finally:
         torch.set_num_threads(saved)
 

@@ -1,5 +1,6 @@
 """bench/onednn.py: inside `onednn_linears` the pipeline's linear layers really run on oneDNN (forward
-and backward), give MKL's values to fp32 rounding, and everything is put back afterwards."""
+and backward), give MKL's values to fp32 rounding, and everything is put back afterwards; inside
+`mkl_packed` the pipeline's packed weights are MKL's, and oneDNN's again after it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipeline.model.packed as packed_module
-from bench.onednn import OneDNNWeight, onednn_linear_available, onednn_linears
+from bench.onednn import mkl_packed, onednn_linear_available, onednn_linears
+from pipeline.model.packed import MKLWeight, OneDNNWeight, mkl_available
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="no oneDNN linear in this torch build")
 
@@ -49,14 +51,21 @@ def test_linear_layers_run_on_onednn_with_mkls_values_and_grads():
     assert F.linear is original and packed_module.PackedWeight is packed_weight
 
 
-def test_packed_weights_switch_to_onednn_inside_the_block_only():
+def test_packed_weights_are_onednns_and_mkls_inside_mkl_packed_only():
     w, b, x = torch.randn(24, 16), torch.randn(24), torch.randn(5, 16)
     with onednn_linears():
         inside = packed_module.PackedWeight(w, b, 5)
     assert isinstance(inside, OneDNNWeight)
     assert torch.allclose(inside(x), x @ w.t() + b, atol=1e-5)
     assert torch.allclose(inside(x[:2]), x[:2] @ w.t() + b, atol=1e-5)  # another row count, the same copy
-    assert not isinstance(packed_module.PackedWeight(w, b, 5), OneDNNWeight)
+    assert isinstance(packed_module.PackedWeight(w, b, 5), OneDNNWeight)  # the pipeline's own choice
+    if mkl_available():
+        with mkl_packed() as on:
+            assert on
+            mkl = packed_module.PackedWeight(w, b, 5)
+        assert isinstance(mkl, MKLWeight)
+        assert torch.allclose(mkl(x), x @ w.t() + b, atol=1e-5)
+        assert isinstance(packed_module.PackedWeight(w, b, 5), OneDNNWeight)
 
 
 def test_other_dtypes_and_autocast_keep_torchs_own_linear():

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.onednn import onednn_linear_available
-from bench.rollout import build, on_onednn, weight_matmuls_only
+from bench.rollout import build, on_mkl, weight_matmuls_only
+from pipeline.model.packed import mkl_available
 from pipeline.rollout import rollout_prompts
 
 
@@ -62,9 +62,9 @@ def test_the_floor_does_the_rollouts_weight_matmuls_and_nothing_else():
     head = llama.lm_head.weight.numel()
     expected = 2 * (prompts * prompt_len * per_layer + prompts * head + (new - 1) * prompts * group * (per_layer + head))
     assert got == floor == expected
-    if onednn_linear_available():  # the oneDNN floor and lever arm: the same matmuls on the other GEMM
-        assert _flops(weight_matmuls_only(llama, prompts, prompt_len, prompts * group, new, "onednn")) == expected
-        assert _flops(on_onednn(ours)) == expected
+    if mkl_available():  # the MKL floor and A/B arm: the same matmuls on the other GEMM
+        assert _flops(weight_matmuls_only(llama, prompts, prompt_len, prompts * group, new, "mkl")) == expected
+        assert _flops(on_mkl(ours)) == expected
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ the weights do not change, so :class:`FusedLlamaStep` takes them once per rollou
 arithmetic as one flat function:
 
 - q, k and v as ONE matmul (their weights concatenated), gate and up as one, each weight packed for
-  MKL once per rollout on CPU fp32 (``pipeline.model.packed``), and again for the new row count
+  oneDNN (or MKL) once per rollout on CPU fp32 (``pipeline.model.packed``), and again for the new row count
   when finished rows leave the batch;
 - rotary on q and k together, from a cos/sin table made once (``sin`` carries rotate-half's sign, so
   ``rotate_half(x) * sin`` is one flip and one multiply);
@@ -59,8 +59,8 @@ def supported(model: nn.Module) -> bool:
 
 
 class _Linear:
-    """``x @ weight.T + bias`` on the weight packed for MKL (CPU fp32: :class:`~pipeline.model.packed.PackedWeight`,
-    packed again when finished rows leave the batch), else ``F.linear``.
+    """``x @ weight.T + bias`` on the packed weight (CPU fp32: :func:`~pipeline.model.packed.PackedWeight`,
+    oneDNN's or MKL's), else ``F.linear``.
 
     Under autocast (``model.dtype: bfloat16``) the weight and bias are cast to the autocast dtype
     once, on the first such call, and kept for the rollout: autocast casts them on every call

@@ -133,9 +133,9 @@ def runtime_tags() -> dict[str, str]:
     the order of floating-point sums. Measured (docs/results/reproducibility.md): the 2000-step SFT
     landed at 70.5% held-out greedy on one 2-core machine and 81.0% on another, same code, params
     and wheel; on one machine, ``ATEN_CPU_CAPABILITY=avx2`` instead of the AVX512 default changed its
-    logged loss from step 200 on (1.8929 against 1.8927) and its end point. ``ATEN_CPU_CAPABILITY``
-    and ``MKL_CBWR`` are recorded when set (``model.cpu_kernels`` sets them), and ``env.mkl_branch``, the
-    branch MKL takes for the latter on this CPU.
+    logged loss from step 200 on (1.8929 against 1.8927) and its end point. ``ATEN_CPU_CAPABILITY``,
+    ``MKL_CBWR`` and ``ONEDNN_MAX_CPU_ISA`` are recorded when set (``model.cpu_kernels`` sets them),
+    and ``env.mkl_branch``, the branch MKL takes for ``MKL_CBWR`` on this CPU.
     """
     import platform
 
@@ -149,7 +149,7 @@ def runtime_tags() -> dict[str, str]:
         tags["env.cuda"] = str(torch.version.cuda)
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # never the first CUDA call (fork safety)
         tags["env.cuda_device"] = torch.cuda.get_device_name(torch.cuda.current_device())
-    for var in ("ATEN_CPU_CAPABILITY", "MKL_CBWR"):
+    for var in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA"):
         if os.environ.get(var):
             tags[f"env.{var}"] = os.environ[var]
     if os.environ.get("MKL_CBWR"):  # what MKL takes for it on this CPU (AUTO on a non-Intel one)
