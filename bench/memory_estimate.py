@@ -15,12 +15,16 @@ rollout tokens, m = micro_batch_size or the minibatch's rows):
   half), and under bf16 autocast a bf16 copy of fp32 weights that autocast caches for backward;
 - rollout: the KV cache (the prompts' keys once per group, each row's response keys) in bf16,
   and the sampler's fp32 (N, V) buffers (logits, probabilities, a CDF);
-- logprobs: one micro-batch's bf16 logits (m, T - prompt, V), a 128 MB fp32 chunk, one layer's
+- logprobs: one micro-batch's logits (m, T - prompt, V; bf16 under autocast), a 128 MB fp32 chunk, one layer's
   activations (inference mode keeps nothing else);
-- update: the micro-batch's logits kept for backward and their gradient (bf16 each), the
-  activations autograd keeps per layer (~(8 d + 4 ffn + 4 kv_dim) bf16 values per token, a
-  flash/SDPA attention keeps no T x T matrix), or with gradient checkpointing one d-vector per
-  token per layer plus one layer's activations recomputed;
+- update: the micro-batch's logits kept for backward and their gradient (each in the logits' dtype), the
+  activations autograd keeps per layer (:func:`layer_activation_bytes`, what a Qwen2/Llama layer's
+  backward saves, measured with saved-tensor hooks in tests/test_memory_estimate.py: under bf16
+  autocast (7 d + 4 ffn + 2 kv_dim) bf16 values per token plus 4 d fp32 ones, the RMSNorms'
+  inputs and normalised outputs, which transformers computes in fp32; in fp32 (8 d + 4 ffn +
+  2 kv_dim) fp32 values; a flash/SDPA attention keeps no T x T matrix), or with gradient
+  checkpointing the residual stream at each layer's input (fp32 with fp32 weights, also under
+  autocast) plus one layer's activations recomputed;
 - evaluate: the rollout of `evaluate.batch_size` prompts, one completion each.
 
 An estimate (allocator overhead and fragmentation add ~5-15%); bench/device_check.sh measures
@@ -89,13 +93,25 @@ def shape_from_gpt(model, vocab: int) -> Shape:
     return Shape(model.n_layer, model.n_embd, 4 * model.n_embd, model.n_head, model.n_head, vocab, True)
 
 
+def layer_activation_bytes(shape: Shape, autocast: bool) -> int:
+    """Bytes one decoder layer's backward keeps per token: under bf16 autocast the q/k/v heads
+    (d + 2 kv_dim), six d-wide bf16 inputs and outputs of the attention and MLP matmuls, four
+    ffn-wide MLP activations, and the two RMSNorms' fp32 inputs and normalised outputs (4 d fp32);
+    in fp32 the same tensors without the casts (8 d + 4 ffn + 2 kv_dim fp32 values)."""
+    d, ffn, kv = shape.d, shape.ffn, shape.kv_dim
+    if autocast:
+        return 2 * (7 * d + 4 * ffn + 2 * kv) + 4 * (4 * d)
+    return 4 * (8 * d + 4 * ffn + 2 * kv)
+
+
 def estimate(cfg, shape: Shape, prompt_tokens: int, stage: str = "grpo") -> dict[str, float]:
     """Peak bytes per phase (see the module docstring) for `cfg` (a pipeline Config)."""
     g, m, e = getattr(cfg, stage), cfg.model, cfg.evaluate
     P, wb = shape.params(), (2 if m.param_dtype == "bfloat16" else 4)
     lora = m.lora_rank > 0
     trainable = shape.lora_params(m.lora_rank, m.lora_targets) if lora else P
-    autocast_copy = 2 * P if (wb == 4 and m.dtype != "float32") else 0
+    autocast = m.dtype != "float32"  # `auto` is bf16 autocast on a GPU, what this estimates
+    autocast_copy = 2 * P if (wb == 4 and autocast) else 0
     weights = P * wb + (0 if lora or g.kl_coef == 0 else P * wb)
     grad_b, master = (4, 0) if lora or wb == 4 else (2, 4)  # peft's adapters are fp32; bf16: fp32 masters
     train_state = trainable * (grad_b + 8 + master)  # gradients, two fp32 AdamW moments, masters
@@ -104,14 +120,15 @@ def estimate(cfg, shape: Shape, prompt_tokens: int, stage: str = "grpo") -> dict
     T, V, L = prompt_tokens + R, shape.vocab, shape.layers
     kv = lambda prompts, n, r: L * 2 * shape.kv_dim * 2 * (prompts * prompt_tokens + n * r)  # bf16 keys + values
     mb_rows = g.micro_batch_size or (g.minibatch_groups * g.group_size if g.minibatch_groups else rows)
-    layer_act = mb_rows * T * (8 * shape.d + 4 * shape.ffn + 4 * shape.kv_dim) * 2
-    logits = mb_rows * R * V * 2  # the response columns only (the prompt's vocabulary projection is skipped)
-    kept = L * mb_rows * T * shape.d * 2 + layer_act if m.gradient_checkpointing else L * layer_act
+    layer_act = mb_rows * T * layer_activation_bytes(shape, autocast)
+    logit_b = 2 if autocast or wb == 2 else 4
+    logits = mb_rows * R * V * logit_b  # the response columns only (the prompt's vocabulary projection is skipped)
+    kept = L * mb_rows * T * shape.d * wb + layer_act if m.gradient_checkpointing else L * layer_act
     return {
         "params": P, "trainable": trainable,
         "static": static,
         "rollout": static + kv(rows // g.group_size, rows, R) + 3 * rows * V * 4,
-        "logprobs": static + logits + (1 << 27) + layer_act // L,
+        "logprobs": static + logits + (1 << 27) + layer_act,
         "update": static + autocast_copy + 2 * logits + (1 << 27) + kept,
         "evaluate": P * wb + kv(e.batch_size, e.batch_size, e.max_new_tokens) + 3 * e.batch_size * V * 4,
     }
