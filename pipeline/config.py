@@ -352,7 +352,7 @@ class TrackingConfig:
     experiment: str = "grpo-gsm8k"
     """MLflow experiment name."""
     log_model_max_mb: float = 200.0
-    """Log each training stage's final checkpoint to its MLflow run up to this size (MB); 0: never."""
+    """Log each training stage's final checkpoint as an MLflow Model of its run up to this size (MB); 0: never."""
     registered_model: str = "grpo-policy"
     """Model Registry name of the grpo checkpoint (a new version per grpo run); empty: no registration."""
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -341,3 +342,54 @@ def test_a_new_version_of_weights_evaluated_before_carries_that_evaluation(store
     _register(c, "policy-under-test", second, "f" * 64)  # other weights: nothing to carry
     versions = {str(v.version): v.tags for v in c.search_model_versions("name = 'policy-under-test'")}
     assert versions["2"]["eval.gsm8k_accuracy"] == "0.25" and "eval.gsm8k_accuracy" not in versions["3"]
+
+
+def test_a_checkpoint_is_an_mlflow_model_that_loads_and_generates(store, tmp_path, gpt_policy, monkeypatch):
+    """The stage's checkpoint becomes a LoggedModel of its run (the run's output: the runs list's
+    Models column), registered from it, and `mlflow.pyfunc.load_model` gives the same greedy
+    completions as the policy itself (models from code: no pickle)."""
+    import mlflow.pyfunc
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.checkpoint import save_policy
+    from pipeline.generation import generate
+    from pipeline.tracking.mlflow_models import MODEL_ID_TAG, _log_model, _register_uploaded, checkpoint_sha256
+
+    folder = tmp_path / "checkpoints" / "grpo"
+    save_policy(folder, gpt_policy)
+    sha = checkpoint_sha256(folder)
+    c = MlflowClient(tracking_uri=store, registry_uri=store)
+    run_id = c.create_run(c.create_experiment("models")).info.run_id
+    log = types.SimpleNamespace(client=c, run_id=run_id, _broken=set())
+    _log_model(log, str(folder), "grpo", sha)
+    _register_uploaded(log, "policy-as-model", sha)
+
+    run = c.get_run(run_id)
+    model_id = run.data.tags[MODEL_ID_TAG]
+    assert [o.model_id for o in run.outputs.model_outputs] == [model_id]
+    model = c.get_logged_model(model_id)
+    assert (model.name, model.source_run_id, model.status.to_proto()) == ("grpo", run_id, 2)  # READY
+    assert model.tags["grpo.checkpoint_sha256"] == sha
+    (found,) = c.search_model_versions("name = 'policy-as-model'")
+    version = c.get_model_version("policy-as-model", found.version)
+    assert version.tags[MODEL_ID_TAG] == model_id and version.source == model.artifact_location
+    files = {f.path for f in c.list_logged_model_artifacts(model_id)} if hasattr(c, "list_logged_model_artifacts") \
+        else None
+    assert files is None or "MLmodel" in files
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)  # models:/ resolves through the default URIs
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", store)
+    loaded = mlflow.pyfunc.load_model("models:/policy-as-model/1")
+    prompts = ["1 + 2 =", "a b c"]
+    want, _, _ = generate(gpt_policy, prompts, batch_size=2, max_new_tokens=8)
+    assert loaded.predict(prompts, params={"max_new_tokens": 8}) == want
+    import pandas as pd
+
+    assert loaded.predict(pd.DataFrame({"prompt": prompts}), params={"max_new_tokens": 8}) == want
+    from pipeline.tracking.policy_model import prompts_of
+
+    assert prompts_of("x") == ["x"] and prompts_of(pd.DataFrame({"q": ["x", "y"]})) == ["x", "y"]
+    with pytest.raises(ValueError, match="'prompt' column"):
+        prompts_of(pd.DataFrame({"a": ["x"], "b": ["y"]}))
+    with pytest.raises(ValueError, match="expected prompt strings"):
+        prompts_of([1, 2])

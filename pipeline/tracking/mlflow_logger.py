@@ -32,6 +32,7 @@ SAVABLE_FUNCS = frozenset({
     "pipeline.tracking.mlflow_logger:_log_params_of",
     "pipeline.tracking.mlflow_logger:_log_table_quietly",
     "pipeline.tracking.mlflow_models:_register_uploaded",
+    "pipeline.tracking.mlflow_models:_log_model",
 })
 # the client methods a saved call may name
 SAVABLE_METHODS = frozenset({"log_batch", "log_artifact", "log_artifacts", "log_table", "set_terminated"})
