@@ -25,7 +25,7 @@ LAYERS = [
     ["checkpoint_state", "tracking.mlflow_backend"],
     ["tracking", "tracking.compare"],
     ["generation", "group_sampling", "resume"],
-    ["stages.prepare", "stages.sft", "stages.grpo", "stages.evaluate", "fetch_model"],
+    ["stages.prepare", "stages.sft", "stages.grpo", "stages.evaluate", "fetch_model", "tracking.policy_model"],
     ["stages"],
     ["__main__"],
 ]

@@ -26,6 +26,9 @@ def _size_mb(folder: Path) -> float:
 
 
 MODEL_ID_TAG = "grpo.model_id"
+# the model's code file, named by path: importing it would pull generation and checkpoint loading
+# (a higher layer) into every stage that tracks
+POLICY_MODEL_CODE = Path(__file__).with_name("policy_model.py")
 
 
 def log_checkpoint(log: MlflowLogger, cfg: Config, stage: str) -> None:
@@ -54,7 +57,7 @@ def model_dir(checkpoint: Path, out: Path) -> Path:
     import torch
 
     import pipeline
-    from pipeline.tracking import policy_model
+    from pipeline.tracking.common import POLICY_MODEL_PARAMS
 
     reqs = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
     for dist in ("safetensors", "tokenizers", "transformers"):
@@ -70,10 +73,10 @@ def model_dir(checkpoint: Path, out: Path) -> Path:
     signature = ModelSignature(  # prompt strings in, a completion each out; the generation params it takes
         inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
         params=ParamSchema([ParamSpec(k, type(v).__name__.replace("int", "long").replace("float", "double")
-                                      .replace("bool", "boolean"), v) for k, v in policy_model.DEFAULTS.items()]))
+                                      .replace("bool", "boolean"), v) for k, v in POLICY_MODEL_PARAMS.items()]))
     with warnings.catch_warnings():  # its advice to add type hints or an input example: the signature is given
         warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow\.")
-        mlflow.pyfunc.save_model(str(out), python_model=policy_model.__file__,
+        mlflow.pyfunc.save_model(str(out), python_model=str(POLICY_MODEL_CODE),
                                  artifacts={"checkpoint": str(checkpoint)}, signature=signature,
                                  code_paths=[str(Path(pipeline.__file__).parent)], pip_requirements=reqs)
     return out

@@ -23,8 +23,7 @@ from typing import Any
 import mlflow
 from mlflow.pyfunc import PythonModel
 
-DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "greedy": True, "temperature": 1.0, "top_p": 1.0,
-                            "batch_size": 16, "seed": 0}
+from pipeline.tracking.common import POLICY_MODEL_PARAMS as DEFAULTS
 
 
 def prompts_of(model_input: Any) -> list[str]:
