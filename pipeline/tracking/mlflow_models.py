@@ -53,8 +53,12 @@ def model_dir(checkpoint: Path, out: Path) -> Path:
     """`out`: an MLflow pyfunc model of `checkpoint` (MLmodel, the model's code file, the
     ``pipeline`` package as its code, the checkpoint as its ``checkpoint`` artifact, pinned
     requirements); nothing is pickled and no environment is inferred."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import mlflow.pyfunc
     import torch
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     import pipeline
     from pipeline.tracking.common import POLICY_MODEL_PARAMS
@@ -62,18 +66,13 @@ def model_dir(checkpoint: Path, out: Path) -> Path:
     reqs = [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
     for dist in ("safetensors", "tokenizers", "transformers"):
         try:
-            from importlib.metadata import version
-
             reqs.append(f"{dist}=={version(dist)}")
-        except Exception:  # noqa: BLE001 - an optional package not installed
+        except PackageNotFoundError:  # an optional package not installed
             continue
-    from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
-
+    mlflow_type = {bool: "boolean", int: "long", float: "double"}
     signature = ModelSignature(  # prompt strings in, a completion each out; the generation params it takes
         inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
-        params=ParamSchema([ParamSpec(k, type(v).__name__.replace("int", "long").replace("float", "double")
-                                      .replace("bool", "boolean"), v) for k, v in POLICY_MODEL_PARAMS.items()]))
+        params=ParamSchema([ParamSpec(k, mlflow_type[type(v)], v) for k, v in POLICY_MODEL_PARAMS.items()]))
     with warnings.catch_warnings():  # its advice to add type hints or an input example: the signature is given
         warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow\.")
         mlflow.pyfunc.save_model(str(out), python_model=str(POLICY_MODEL_CODE),
