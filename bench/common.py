@@ -277,7 +277,7 @@ def copy_repo(dst: Path, gsm8k: str | Path, git: bool = True) -> Path:
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     # written out in full: DVC tracks (and `dvc exp run -S` can set) only keys present in the file
-    from pipeline.config_loading import dump_config, load_config
+    from pipeline.core.config_loading import dump_config, load_config
 
     smoke = load_config(ROOT / "configs" / "smoke.yaml", [f"data.gsm8k_source={gsm8k}"])
     (dst / "params.yaml").write_text(dump_config(smoke))
@@ -314,10 +314,10 @@ def prepare_with_random_policy(cfg) -> None:
     stop token, so rollouts run to full length: the worst case for time per iteration)."""
     import torch
 
-    from pipeline.checkpoint import init_policy, save_policy
-    from pipeline.config import CHECKPOINT_DIR, DATA_DIR
+    from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR
+    from pipeline.data.tokenizer import load_tokenizer
     from pipeline.stages.prepare import run_prepare
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.train.checkpoint import init_policy, save_policy
 
     run_prepare(cfg)
     tok = load_tokenizer(Path(DATA_DIR)) if cfg.model.backend == "gpt" else None  # hf: model.init's own
@@ -345,7 +345,7 @@ def arith_rows(n: int, seed: int = 1) -> list[dict[str, Any]]:
     """`n` two-digit addition rows in the processed-JSONL schema, with the default prompt template."""
     import random
 
-    from pipeline.config import DEFAULT_TEMPLATE
+    from pipeline.core.config import DEFAULT_TEMPLATE
 
     rng = random.Random(seed)
     out = []
@@ -359,7 +359,7 @@ def arith_rows(n: int, seed: int = 1) -> list[dict[str, Any]]:
 
 def write_rows(rows: list[dict[str, Any]]) -> None:
     """In the cwd: `rows` as data/gsm8k_train.jsonl (and one as gsm8k_val.jsonl) for the grpo stage."""
-    from pipeline.config import DATA_DIR
+    from pipeline.core.config import DATA_DIR
     from pipeline.stages.prepare import write_jsonl
 
     Path(DATA_DIR).mkdir(exist_ok=True)

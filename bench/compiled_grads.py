@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pipeline.config import ModelConfig  # noqa: E402
+from pipeline.core.config import ModelConfig  # noqa: E402
 from pipeline.model import hf  # noqa: E402
 from pipeline.model.policy import build_policy  # noqa: E402
 

@@ -2,7 +2,7 @@
 to the batch's end: greedy evaluation and sampled rollouts.
 
 A trained policy answers in a few dozen to a few hundred tokens, so late in a batch most rows have
-stopped. ``pipeline.rollout`` drops them from the decoder's cache every ``COMPACT_EVERY`` steps
+stopped. ``pipeline.rl.rollout`` drops them from the decoder's cache every ``COMPACT_EVERY`` steps
 (``dropped``): any finished row where each prompt has one row (greedy evaluation, the held-out
 checks), a whole group once all its G rows have finished where they share their prompt's keys
 (GRPO rollouts, the evaluate stage's k samples). The reference arm (``every-row``) never drops a
@@ -89,10 +89,10 @@ def main() -> None:
 
     import torch
 
-    import pipeline.rollout as ro
-    from pipeline.checkpoint import load_policy
-    from pipeline.config_loading import load_config
-    from pipeline.generation import generate
+    import pipeline.rl.rollout as ro
+    from pipeline.core.config_loading import load_config
+    from pipeline.rl.generation import generate
+    from pipeline.train.checkpoint import load_policy
 
     torch.set_num_threads(1)
     cfg = load_config(args.params)

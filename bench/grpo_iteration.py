@@ -156,7 +156,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import pipeline.stages.grpo as grpo_mod
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
 
     from pipeline.model.policy import resolve_device
 

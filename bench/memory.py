@@ -36,8 +36,8 @@ from common import ROOT, default_gsm8k, emit, load_avg, workdir
 
 from memory_estimate import SIZES, report, shape_from_hf_config
 
-from pipeline.config import STAGES
-from pipeline.config_loading import load_config
+from pipeline.core.config import STAGES
+from pipeline.core.config_loading import load_config
 
 REDUCED = ["sft.steps=20", "sft.eval_every=20", "warmup.iterations=2", "grpo.iterations=2", "warmup.eval_every=2",
            "grpo.eval_every=2", "warmup.eval_samples=16", "grpo.eval_samples=16", "evaluate.gsm8k_limit=64",

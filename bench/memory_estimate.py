@@ -10,7 +10,7 @@ rollout tokens, m = micro_batch_size or the minibatch's rows):
 - static: policy weights (param_dtype), the frozen reference (a second copy; none under LoRA,
   which disables the adapters instead), gradients (in the weights' dtype) and two fp32 AdamW
   moments of what trains (all weights, or the adapters, which peft keeps in fp32), with bf16
-  weights their fp32 master copy (`pipeline.training.MasterAdamW`: 2 + 2 + 8 + 4 = 16 bytes per
+  weights their fp32 master copy (`pipeline.train.optim.MasterAdamW`: 2 + 2 + 8 + 4 = 16 bytes per
   trained weight, against 4 + 4 + 8 = 16 in fp32: bf16 weights save only the frozen reference's
   half), and under bf16 autocast a bf16 copy of fp32 weights that autocast caches for backward;
 - rollout: the KV cache (the prompts' keys once per group, each row's response keys) in bf16,

@@ -1,5 +1,5 @@
 """The GEMM library as a lever the benches can measure. The pipeline's decode matmuls run on weights
-packed for oneDNN (``pipeline.model.packed``); its other fp32 matmuls (the log-prob and update
+packed for oneDNN (``pipeline.model.fast.packed``); its other fp32 matmuls (the log-prob and update
 passes) on MKL through ``F.linear``.
 
 - :func:`onednn_linears`: every fp32 ``F.linear`` on oneDNN too, forward and backward
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 
-from pipeline.model.packed import MKLWeight, OneDNNWeight, mkl_available
-from pipeline.model.packed import onednn_available as onednn_linear_available
+from pipeline.model.fast.packed import MKLWeight, OneDNNWeight, mkl_available
+from pipeline.model.fast.packed import onednn_available as onednn_linear_available
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -61,10 +61,10 @@ def _patched_linear(original):
 
 @contextlib.contextmanager
 def mkl_packed() -> Iterator[bool]:
-    """Within the block every weight the pipeline packs (``pipeline.model.packed``: the rollout's) is
+    """Within the block every weight the pipeline packs (``pipeline.model.fast.packed``: the rollout's) is
     packed for MKL's GEMM instead of oneDNN's. Yields False, changing nothing, where this torch build
     has no MKL packed linear."""
-    import pipeline.model.packed as packed_module
+    import pipeline.model.fast.packed as packed_module
 
     if not mkl_available():
         yield False
@@ -80,9 +80,9 @@ def mkl_packed() -> Iterator[bool]:
 @contextlib.contextmanager
 def onednn_linears() -> Iterator[bool]:
     """Within the block every fp32 CPU ``F.linear`` (the pipeline's linear layers, forward and
-    backward) and every weight the pipeline packs (``pipeline.model.packed``: the rollout's) run on
+    backward) and every weight the pipeline packs (``pipeline.model.fast.packed``: the rollout's) run on
     oneDNN. Yields False, changing nothing, where this torch build has no oneDNN linear."""
-    import pipeline.model.packed as packed_module
+    import pipeline.model.fast.packed as packed_module
 
     if not onednn_linear_available():
         yield False

@@ -6,7 +6,7 @@ this compares decoding engines, not models): 8 prompts x 8 samples = 64 completi
 repeats interleaved in one process. Every speed-up is a paired ratio: repeat i of one engine over
 repeat i of the other, run back to back, reported as median (min, max) over the repeats.
 
-Arms: ``ours_hf_llama`` (the fused Llama decode step, ``pipeline.model.fused_decode``),
+Arms: ``ours_hf_llama`` (the fused Llama decode step, ``pipeline.model.fast.fused_decode``),
 ``hf_generate``, ``ours_gpt`` (the from-scratch GPT of the same width/depth),
 ``ours_hf_module_step`` (the same shared-prefix decoder with each step through the model's own
 modules: ``fused_step_speedup``), ``weight_matmuls_only`` (our rollout's weight matmuls alone, on
@@ -58,14 +58,15 @@ import torch
 from bench.common import (add_decode_workload_args, alternate, count_aten_ops, fmt_ratios, load_avg,
                           machine_line, median, pair_ratios)
 from bench.onednn import mkl_packed
-from pipeline.model.packed import MKLWeight, library, mkl_available
-from pipeline.config import ModelConfig
+from pipeline.core.config import ModelConfig
+from pipeline.data.tokenizer import HFTokenizer
+from pipeline.model.fast.packed import MKLWeight, library, mkl_available
 from pipeline.model.gpt import GPT, GPTConfig
-from pipeline.model.hf import HFDecoder, HFTokenizer
+from pipeline.model.hf import HFDecoder
 from pipeline.model.policy import Policy, _Autocasting
-import pipeline.rollout as rollout_module
-from pipeline.rollout import rollout_prompts
-from pipeline.tokenizer import EOS, PAD, train_tokenizer
+import pipeline.rl.rollout as rollout_module
+from pipeline.data.tokenizer import EOS, PAD, train_tokenizer
+from pipeline.rl.rollout import rollout_prompts
 
 
 def synthetic_texts(n: int = 3000, seed: int = 0) -> list[str]:
@@ -130,7 +131,7 @@ def build(layers: int, width: int, heads: int):
 
 def on_mkl(run):
     """`run` (a rollout) with the weights the fused step and the module path pack
-    (``pipeline.model.packed``) on MKL's packed GEMM instead of oneDNN's: the ``ours_hf_mkl`` arm
+    (``pipeline.model.fast.packed``) on MKL's packed GEMM instead of oneDNN's: the ``ours_hf_mkl`` arm
     (:func:`bench.onednn.mkl_packed`)."""
     def wrapped():
         with mkl_packed():
@@ -143,12 +144,12 @@ def weight_matmuls_only(llama, prompts: int, prompt_len: int, rows: int, new_tok
     down weights on the B x Tp prompt tokens, the LM head on the B last ones) and each decode step's
     (the same weights and the head on all N rows, for the new_tokens - 1 steps after the prefill), on
     the packed GEMM the fused step runs them on (`gemm` "pipeline"; packed outside the timed calls, the
-    same inputs each step) or on MKL's (`gemm` "mkl", :class:`pipeline.model.packed.MKLWeight`). No attention,
+    same inputs each step) or on MKL's (`gemm` "mkl", :class:`pipeline.model.fast.packed.MKLWeight`). No attention,
     norms, sampling or bookkeeping: what the rollout would cost with every other op free. It is an
     estimate, not a bound: generate() prefills all B x G rows where ours prefills each prompt once,
     so ``floor_ratio`` includes that saving (bench/tests/test_rollout_floor.py checks the FLOPs equal
     our engine's)."""
-    from pipeline.model.fused_decode import _Layer, _Linear  # the fused step's own fused, packed weights
+    from pipeline.model.fast.fused_decode import _Layer, _Linear  # the fused step's own fused, packed weights
 
     def on(f: _Linear, n: int):
         return f if gemm == "pipeline" else MKLWeight(f.weight, f.bias, n)
@@ -185,7 +186,7 @@ def step_breakdown(policy: Policy, run) -> dict[str, float]:
     seconds per step in the weight matmuls (every ``fused_decode._Linear`` call), in the attention
     (every ``grouped_prefix_attention`` call), and the rest of the step (norms, rotary, embedding,
     cache writes; not the sampling between steps). Timers around each call: a few microseconds each."""
-    import pipeline.model.fused_decode as fused_decode
+    import pipeline.model.fast.fused_decode as fused_decode
 
     acc = {"linears": 0.0, "attention": 0.0, "step": 0.0}
     steps = [0]

@@ -42,12 +42,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from pipeline.checkpoint import save_policy
-    from pipeline.config import CHECKPOINT_DIR, DATA_DIR
-    from pipeline.config_loading import config_from_dict
+    from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR
+    from pipeline.core.config_loading import config_from_dict
+    from pipeline.data.tokenizer import train_tokenizer
     from pipeline.model.policy import build_policy
-    from pipeline import group_sampling
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.rl import group_sampling
+    from pipeline.train.checkpoint import save_policy
 
     group_sampling.rollout_prompts = functools.partial(group_sampling.rollout_prompts, stop_ids=[])  # full length
     trainers, tokens = {}, {}

@@ -38,8 +38,8 @@ def worker(args: argparse.Namespace) -> None:
     """One arm, in this process (or this torchrun rank): time `sft_step` and one held-out check."""
     import torch
 
-    from pipeline import distributed as du
-    from pipeline.config_loading import load_config
+    from pipeline.core import distributed as du
+    from pipeline.core.config_loading import load_config
     from pipeline.stages import sft
 
     world = du.world_size()

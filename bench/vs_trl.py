@@ -83,7 +83,7 @@ def build_model(folder: Path, layers: int, width: int) -> tuple[int, object]:
     from tokenizers import Tokenizer
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-    from pipeline.tokenizer import EOS, PAD, train_tokenizer
+    from pipeline.data.tokenizer import EOS, PAD, train_tokenizer
 
     bpe = train_tokenizer(synthetic_corpus(), vocab_size=2048)
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def build_model(folder: Path, layers: int, width: int) -> tuple[int, object]:
 def chat_rows(n: int, model_dir: Path) -> tuple[list[dict], object]:
     """`n` addition rows whose prompts are the default template in `model_dir`'s chat template, and the
     model's tokenizer (pipeline.model.hf's wrapper: ``encode``, ``chat_prompt``)."""
-    from pipeline.model.hf import load_hf_tokenizer
+    from pipeline.data.tokenizer import load_hf_tokenizer
 
     tok = load_hf_tokenizer(str(model_dir))
     rows = arith_rows(n)
@@ -122,11 +122,11 @@ def count_params(model_dir: Path) -> int:
 
 def ours_trainer(model_dir: Path, data: list[dict], args):
     """Our GRPO stage's iterations on the HF backend, in the cwd (data/ and checkpoints/ written here)."""
-    from pipeline.checkpoint import save_policy
-    from pipeline.config import CHECKPOINT_DIR
-    from pipeline.config_loading import config_from_dict
+    from pipeline.core.config import CHECKPOINT_DIR
+    from pipeline.core.config_loading import config_from_dict
     from pipeline.model.policy import build_policy
-    from pipeline import group_sampling
+    from pipeline.rl import group_sampling
+    from pipeline.train.checkpoint import save_policy
 
     write_rows(data)
     model = {"backend": "hf", "init": str(model_dir), "device": "cpu", "dtype": args.dtype}

@@ -18,10 +18,10 @@ import re
 
 import torch
 
-from pipeline.checkpoint import load_policy
 from pipeline.rewards.parsing import extract_answer
 from pipeline.rewards.verifiers import answers_match
 from pipeline.stages.evaluate import generate
+from pipeline.train.checkpoint import load_policy
 
 
 _LINE = re.compile(r"^(.*) = (-?\d+)\.$")

@@ -43,8 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/, pipeline/
 from bench.common import ROOT, default_gsm8k, machine_line  # noqa: E402
 
-from pipeline.files import write_bytes_atomic  # noqa: E402
-from pipeline.lock import workspace_lock  # noqa: E402
+from pipeline.core.files import write_bytes_atomic  # noqa: E402
+from pipeline.core.lock import workspace_lock  # noqa: E402
 
 STAGES = ("sft", "control", "warmup")  # in the table's order
 SIDE_BY_SIDE = ("warmup", "control")  # after the sft, run at once (the pipeline's graph)
@@ -92,7 +92,7 @@ def sft_key(folder: Path, overrides: list[str]) -> str:
     import contextlib
     import dataclasses
 
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
     from pipeline.stages.sft import compatibility_key
 
     cfg = load_config(folder / "params.yaml", overrides)
@@ -140,7 +140,7 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
                 wall[name] = round(run_stage(folder, name, sets, log), 1)
 
     # the seed's folder is one workspace: this process holds its lock and the stages pass through it
-    # (pipeline.lock), so warmup and control can run side by side, one core each, as the flow runs them
+    # (pipeline.core.lock), so warmup and control can run side by side, one core each, as the flow runs them
     with workspace_lock(f"experiments/learning.py seed {seed}", root=folder):
         if sft_from is not None and not (folder / "checkpoints" / "sft" / "config.json").is_file():
             adopt_sft(sft_from / f"seed-{seed}", folder, sets)
@@ -161,9 +161,9 @@ def greedy_predictions(folder: Path, overrides: list[str]) -> dict[str, list[dic
     metrics/eval.json."""
     import torch
 
-    from pipeline.checkpoint import load_policy
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
     from pipeline.stages.evaluate import TASK_FILES, evaluate_task, load_rows
+    from pipeline.train.checkpoint import load_policy
 
     cfg = load_config(folder / "params.yaml", overrides)
     torch.set_num_threads(1)
@@ -197,7 +197,7 @@ def scored_run(folder: Path) -> dict:
 def run_seeds(folder: Path) -> list[int] | None:
     """The seeds of a pipeline run's training stages (:data:`SEEDED`), as its ``params.yaml`` sets them
     (defaults included); None where that file is missing or not valid params."""
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
 
     try:
         cfg = load_config(folder / "params.yaml")
@@ -253,7 +253,7 @@ def over_seeds(means, rng) -> tuple[float, float]:
 def held_out_levels(data: Path) -> list[int] | None:
     """The curriculum level of each held-out problem (the evaluate stage's arithmetic file under the
     prepared `data`, read as it reads it), in file order; None where the file is missing."""
-    from pipeline.files import read_rows
+    from pipeline.data.schema import read_rows
     from pipeline.stages.evaluate import TASK_FILES
 
     path = data / TASK_FILES["arith"]
@@ -370,9 +370,9 @@ def bench_overrides(args: argparse.Namespace) -> list[str]:
     """The stages' overrides (no tracking, one thread per process, then the user's `--set`s), with this
     process's CPU kernels pinned as the stages' CLI pins them (`model.cpu_kernels`), so the experiment's
     own scoring computes as the stages do; a bad param or a pin this CPU lacks exits with its one line."""
-    from pipeline.cli import exit_status
-    from pipeline.config_loading import load_config
-    from pipeline.kernels import apply as pin_cpu_kernels
+    from pipeline.core.cli import exit_status
+    from pipeline.core.config_loading import load_config
+    from pipeline.core.kernels import apply as pin_cpu_kernels
 
     overrides = ["tracking.enabled=false", "model.num_threads=1", *args.overrides]
 

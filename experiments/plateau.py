@@ -49,8 +49,9 @@ from bench.common import default_gsm8k, emit  # noqa: E402
 from experiments.learning import (add_seed_args, bench_overrides, bootstrap, over_seeds, prepare,  # noqa: E402
                                   run_stage, sft_curve)
 
-from pipeline.files import read_rows, write_bytes_atomic  # noqa: E402
-from pipeline.lock import workspace_lock  # noqa: E402
+from pipeline.core.files import write_bytes_atomic  # noqa: E402
+from pipeline.core.lock import workspace_lock  # noqa: E402
+from pipeline.data.schema import read_rows
 
 POLL_S = 0.2
 FRESH_SEED = "plateau-fresh"
@@ -94,7 +95,7 @@ class Keeper:
 
 def stored_key(folder: Path) -> str | None:
     """The resume key a resumable checkpoint folder was saved under (None if unreadable)."""
-    from pipeline.checkpoint_manifest import TRAIN_JSON
+    from pipeline.train.manifest import TRAIN_JSON
 
     try:
         return json.loads((folder / TRAIN_JSON).read_text())["extra"]["key"]
@@ -149,9 +150,9 @@ def score(folder: Path, cfg, ref: int, n_fresh: int) -> dict[str, Any]:
     """Each set's per-problem greedy correctness of the kept checkpoint and the final one."""
     import torch
 
-    from pipeline.checkpoint import load_policy
-    from pipeline.generation import greedy_correct_rows
+    from pipeline.rl.generation import greedy_correct_rows
     from pipeline.stages.sft import check_budget
+    from pipeline.train.checkpoint import load_policy
 
     data = folder / "data"
     held = read_rows(data / "arith_eval.jsonl")[: cfg.sft.eval_samples]
@@ -172,7 +173,7 @@ def train_seed(work: Path, params: Path, data: Path, seed: int, overrides: list[
     import contextlib
     import subprocess
 
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
     from pipeline.stages.sft import compatibility_key
 
     folder = work / f"seed-{seed}"

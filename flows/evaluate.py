@@ -18,7 +18,7 @@ from typing import Any
 from prefect import flow
 
 from flows.grpo_pipeline import effective_overrides, execute, run_flow
-from pipeline.cli import add_config_args, exit_status
+from pipeline.core.cli import add_config_args, exit_status
 
 
 def checkpoint_overrides(checkpoints: list[str] | None, overrides: list[str] | None) -> list[str]:

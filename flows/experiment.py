@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
 
 def _run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -64,7 +64,7 @@ def check_gsm8k_source(work: Path) -> None:
     """DVC hashes ``data.gsm8k_source`` as the prepare stage's dependency (``dvc.yaml``) and stops on a
     missing one before the stage starts (``[Errno 2] No such file or directory``); a source that is not
     a file or folder of ``work`` (a hub id, a mistyped path) is one line here, before any stage."""
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
 
     source = load_config(work / "params.yaml").data.gsm8k_source
     if not (work / source).exists():

@@ -39,12 +39,12 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.experiment import exp_name, experiment_copy, save_experiment
-from pipeline.cli import add_config_args, exit_status
-from pipeline.config import METRICS_DIR, PLOTS_DIR, Config
-from pipeline.errors import InputError
-from pipeline.config_loading import load_config
-from pipeline.evaluation import training_summary
-from pipeline.lock import check_free, workspace_lock
+from pipeline.core.cli import add_config_args, exit_status
+from pipeline.core.config import METRICS_DIR, PLOTS_DIR, Config
+from pipeline.core.config_loading import load_config
+from pipeline.core.errors import InputError
+from pipeline.core.lock import check_free, workspace_lock
+from pipeline.rl.evaluation import training_summary
 from pipeline.tracking import end_pipeline_run, run_link, run_name, start_pipeline_run
 from pipeline.tracking.common import ROOT_ENV, outputs_digest
 from tasks.stages import (STAGE_TASKS, STOP_TIMEOUT_S, changed_stages, reset_stop, stop_stages, stopped_by,
@@ -301,7 +301,7 @@ def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None 
 
 def headline(work: Path) -> str:
     """A short table of the headline numbers (metrics/train.json and metrics/eval.json)."""
-    from pipeline.summary import headline_table
+    from pipeline.core.summary import headline_table
 
     return headline_table(work)
 

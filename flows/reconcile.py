@@ -28,7 +28,7 @@ import os
 import socket
 from typing import Any
 
-from pipeline.lock import pid_alive
+from pipeline.core.lock import pid_alive
 
 LIVE_TYPES = ("RUNNING", "PENDING", "CANCELLING")
 

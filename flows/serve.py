@@ -28,8 +28,8 @@ from prefect.deployments.runner import EntrypointType
 
 from flows.grpo_pipeline import effective_overrides, grpo_pipeline
 from flows.reconcile import reconcile, record_process
-from pipeline.cli import add_config_args, exit_status
-from pipeline.errors import InputError
+from pipeline.core.cli import add_config_args, exit_status
+from pipeline.core.errors import InputError
 
 
 def check_schedule(cron: str, timezone: str | None) -> None:

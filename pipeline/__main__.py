@@ -7,7 +7,7 @@ User mistakes (bad config, missing input files, bad data, a busy workspace) prin
 stderr and exit 2. A stage with ``nproc > 1`` (sft, control, warmup, grpo) is started here under torchrun, one
 process per rank, holding the workspace lock for its ranks; the stages themselves never start processes.
 Before a stage imports torch, ``model.cpu_kernels`` pins torch's and MKL's CPU kernels
-(``pipeline.kernels``), for this process and the processes it starts.
+(``pipeline.core.kernels``), for this process and the processes it starts.
 SIGTERM stops a stage the way Ctrl-C does (:class:`Stopped`, a KeyboardInterrupt): its MLflow run
 ends KILLED, its resume state stays, and it prints one line saying how to resume (exit 128 + signal).
 """
@@ -26,10 +26,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.cli import add_config_args, exit_status
-from pipeline.config import STAGES
-from pipeline.config_loading import dump_config, load_config
-from pipeline.kernels import apply as pin_cpu_kernels
+from pipeline.core.cli import add_config_args, exit_status
+from pipeline.core.config import STAGES
+from pipeline.core.config_loading import dump_config, load_config
+from pipeline.core.kernels import apply as pin_cpu_kernels
 
 EXTRA_COMMANDS = ("compare", "summary")
 TORCHRUN_STOP_S = 30.0  # how long a stopped launcher lets torchrun stop its ranks before it signals it itself
@@ -97,7 +97,7 @@ def ranks_env(cfg, stage: str, nproc: int, cuda_devices: int) -> dict[str, str]:
     A model on the CPU: no GPU is visible to the ranks, so they take gloo (with a GPU visible they
     would take NCCL, which has no CPU tensors). A model on CUDA: one device per rank, so `nproc`
     above the device count is an InputError naming the key (NCCL cannot put two ranks on one GPU)."""
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     device = str(cfg.model.device)
     on_cuda = device.startswith("cuda") or (device == "auto" and cuda_devices > 0)
@@ -113,7 +113,7 @@ def ranks_env(cfg, stage: str, nproc: int, cuda_devices: int) -> dict[str, str]:
 def check_device(cfg, stage: str, cuda_devices: int) -> None:
     """A stage in one process on `model.device = cuda[:N]`: that device must exist here, else one
     InputError line naming the key (not torch's traceback from the first `.to()`)."""
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     device = str(cfg.model.device)
     if stage == "prepare" or not device.startswith("cuda"):
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(compare_text(cfg))
     elif args.stage == "summary":
-        from pipeline.summary import headline_table
+        from pipeline.core.summary import headline_table
 
         print(headline_table())
     elif args.stage == "all":
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
 def run_one(cfg, name: str) -> int:
     """One stage: in this process, or under torchrun when it asks for several (the launcher holds the
     workspace lock, its ranks pass through it); the exit status."""
-    from pipeline.lock import workspace_lock
+    from pipeline.core.lock import workspace_lock
     from pipeline.stages import stage_function
 
     nproc = _nproc(cfg, name)
@@ -232,7 +232,7 @@ def run_one(cfg, name: str) -> int:
 
 def run_all(cfg) -> int:
     """Every stage in order in this process: one workspace lock, one MLflow parent run."""
-    from pipeline.lock import workspace_lock
+    from pipeline.core.lock import workspace_lock
     from pipeline.tracking import PARENT_RUN_ENV, end_pipeline_run, run_name, start_pipeline_run, temporary_env
 
     with workspace_lock("python -m pipeline all"):

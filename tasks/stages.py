@@ -44,8 +44,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import Cancelled, State
 
-from pipeline.config import CHECKPOINT_DIR, STAGES
-from pipeline.errors import InputError
+from pipeline.core.config import CHECKPOINT_DIR, STAGES
+from pipeline.core.errors import InputError
 from pipeline.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, RUN_NAME_ENV, TrackingUnavailableError
 
 RETRY_DELAYS_S = [5, 30]

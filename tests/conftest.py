@@ -75,13 +75,13 @@ def arithmetic_texts(n: int = 300, seed: int = 0) -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """Byte-level BPE (vocab 320) trained on a few hundred arithmetic strings."""
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.data.tokenizer import train_tokenizer
 
     return train_tokenizer(arithmetic_texts(), vocab_size=320)
 
 
 def tiny_model_config(**overrides):
-    from pipeline.config import ModelConfig
+    from pipeline.core.config import ModelConfig
 
     base = dict(backend="gpt", n_layer=2, n_head=2, n_embd=32, block_size=128, device="cpu")
     base.update(overrides)
@@ -112,7 +112,7 @@ def save_tiny_hf(folder, kind: str, tokenizer, chat_template: str | None = None,
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
                               Qwen2Config, Qwen2ForCausalLM)
 
-    from pipeline.tokenizer import EOS, PAD
+    from pipeline.data.tokenizer import EOS, PAD
 
     torch.manual_seed(0)
     V = tokenizer.vocab_size
@@ -188,7 +188,7 @@ def copy_repo(dst: Path, git: bool = True) -> Path:
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     # written out in full: DVC tracks (and `dvc exp run -S` can set) only keys present in the file
-    from pipeline.config_loading import dump_config, load_config
+    from pipeline.core.config_loading import dump_config, load_config
 
     smoke = load_config(REPO / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}"])
     (dst / "params.yaml").write_text(dump_config(smoke))
@@ -294,7 +294,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 def smoke_cfg(*overrides: str):
     """configs/smoke.yaml on the GSM8K fixture, with `section.key=value` overrides."""
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
 
     return load_config(REPO / "configs" / "smoke.yaml", [f"data.gsm8k_source={GSM8K}", *overrides])
 
@@ -317,10 +317,10 @@ def grpo_prepared(tmp_path_factory):
     saved as the SFT and warmup checkpoints."""
     import torch
 
-    from pipeline.checkpoint import save_policy
+    from pipeline.data.tokenizer import load_tokenizer
     from pipeline.model.policy import build_policy
     from pipeline.stages.prepare import run_prepare
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.train.checkpoint import save_policy
 
     work = tmp_path_factory.mktemp("train")
     cwd = os.getcwd()

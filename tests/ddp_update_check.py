@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline import distributed as du
-from pipeline.config import GRPOConfig, ModelConfig
+from pipeline.core import distributed as du
+from pipeline.core.config import GRPOConfig, ModelConfig
+from pipeline.data.tokenizer import train_tokenizer
 from pipeline.model.policy import build_policy
 from pipeline.stages.grpo import Batch, TrainState, update
-from pipeline.tokenizer import train_tokenizer
-from pipeline.training import build_optimizer
+from pipeline.train.optim import build_optimizer
 
 
 def main(out: str, minibatch_groups: int = 0) -> None:

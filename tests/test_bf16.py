@@ -61,7 +61,7 @@ def _train(policy, steps: int = STEPS, lr: float = LR, optimizer=None):
     """`steps` AdamW steps (the stages' optimizer and step) on one fixed batch's next-token loss."""
     import torch
 
-    from pipeline.training import build_optimizer, step_if_finite
+    from pipeline.train.optim import build_optimizer, step_if_finite
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, policy.tokenizer.vocab_size, (4, 16), generator=g).to(policy.device)
@@ -82,7 +82,7 @@ def _stepped(optimizer) -> list:
 
 def _in_optimizer_order(policy) -> list:
     """The trainable weights in the order the optimizer holds them (`param_groups`)."""
-    from pipeline.training import param_groups
+    from pipeline.train.optim import param_groups
 
     return [p for group in param_groups(policy.module, 0.0) for p in group["params"]]
 
@@ -119,7 +119,7 @@ def test_fp32_weights_keep_plain_adamw(gpt_policy):
     same bytes as before."""
     import torch
 
-    from pipeline.training import build_optimizer
+    from pipeline.train.optim import build_optimizer
 
     opt = build_optimizer(gpt_policy.module, LR, 0.1)
     assert type(opt) is torch.optim.AdamW
@@ -132,7 +132,7 @@ def test_bf16_resume_state_carries_the_masters(tiny_tokenizer, hf_dirs, tmp_path
     big enough to show in them, i.e. nearly all at 1e-6)."""
     import torch
 
-    from pipeline.checkpoint_state import load_training_state, save_training_state
+    from pipeline.train.state import load_training_state, save_training_state
 
     whole, _ = _pair("gpt", tiny_tokenizer, hf_dirs)
     opt = _train(whole, steps=3)
@@ -140,7 +140,7 @@ def test_bf16_resume_state_carries_the_masters(tiny_tokenizer, hf_dirs, tmp_path
     _train(whole, steps=3, optimizer=opt)
 
     resumed, _ = _pair("gpt", tiny_tokenizer, hf_dirs)
-    from pipeline.training import build_optimizer
+    from pipeline.train.optim import build_optimizer
 
     opt2 = build_optimizer(resumed.module, LR, 0.0)
     load_training_state(tmp_path / "state", resumed, opt2)

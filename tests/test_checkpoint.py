@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import checkpoint as ckpt
-from pipeline import checkpoint_manifest
-from pipeline.checkpoint import init_policy, load_extra_state, load_policy, save_policy
-from pipeline.checkpoint_state import capture_rng_state, load_training_state, restore_rng_state, save_training_state
-from pipeline.errors import CheckpointError
+from pipeline.core.errors import CheckpointError
 from pipeline.model.policy import Policy, build_policy
+from pipeline.train import checkpoint as ckpt
+from pipeline.train import manifest as checkpoint_manifest
+from pipeline.train.checkpoint import init_policy, load_extra_state, load_policy, save_policy
+from pipeline.train.state import capture_rng_state, load_training_state, restore_rng_state, save_training_state
 from tests.conftest import tiny_model_config
 
 
@@ -252,7 +252,7 @@ def test_a_stage_takes_run_time_keys_from_its_run_and_the_architecture_from_its_
     """`python -m pipeline grpo --set model.compile=true` (and gradient_checkpointing, param_dtype, dtype) is
     in effect for a stage that starts from a checkpoint saved with other values; the reference follows
     the run's weight dtype too."""
-    from pipeline.config_loading import config_from_dict
+    from pipeline.core.config_loading import config_from_dict
     from pipeline.stages.grpo import setup
 
     monkeypatch.chdir(tmp_path)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import checkpoint_manifest
-from pipeline.checkpoint import load_policy, save_policy
-from pipeline.errors import CheckpointError, StorageError
+from pipeline.core.errors import CheckpointError, StorageError
+from pipeline.train import manifest as checkpoint_manifest
+from pipeline.train.checkpoint import load_policy, save_policy
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_7B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000,
@@ -112,8 +112,8 @@ def test_a_checkpoint_folder_that_is_a_file_is_one_line(gpt_policy, tmp_path):
 
 _SAVE_UNDER_LIMIT = """
 import resource, sys, torch
-from pipeline.checkpoint import load_policy, save_policy
-from pipeline.errors import StorageError
+from pipeline.core.errors import StorageError
+from pipeline.train.checkpoint import load_policy, save_policy
 policy = load_policy(sys.argv[1], device="cpu")
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))
 try:
@@ -137,9 +137,9 @@ def test_a_file_size_limit_during_a_checkpoint_write_is_one_line_and_keeps_the_l
 
 
 def test_storage_errors_are_one_line_for_plain_files(tmp_path):
-    from pipeline.files import write_json_atomic
+    from pipeline.core.files import write_json_atomic
 
-    code = ("import resource, sys\nfrom pipeline.files import write_bytes_atomic\n"
+    code = ("import resource, sys\nfrom pipeline.core.files import write_bytes_atomic\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))\n"
             f"write_bytes_atomic({str(tmp_path / 'm.json')!r}, b'x' * 5000)\n")
     write_json_atomic(tmp_path / "m.json", {"old": True})

@@ -1,4 +1,4 @@
-"""pipeline.cli: the one --params/--set parser and the one 'error: ... exit 2' policy every entry point uses."""
+"""pipeline.core.cli: the one --params/--set parser and the one 'error: ... exit 2' policy every entry point uses."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import errno
 
 import pytest
 
-from pipeline.cli import add_config_args, exit_status
-from pipeline.config import ConfigError
-from pipeline.errors import InputError
+from pipeline.core.cli import add_config_args, exit_status
+from pipeline.core.config import ConfigError
+from pipeline.core.errors import InputError
 
 
 def _raise(exc):

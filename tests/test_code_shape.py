@@ -14,22 +14,25 @@ PIPELINE = ROOT / "pipeline"
 
 # bottom to top; a module may import (at any depth of its code) only modules of lower layers
 LAYERS = [
-    ["errors", "utils", "config", "distributed", "progress", "rewards.parsing", "rewards.plugins.example",
-     "model.attention", "model.fastpaths", "model.packed", "model.hf_mask"],
-    ["config_loading", "config_render", "kernels", "lock", "rewards.verifiers", "tokenizer", "grpo", "summary",
-     "model.logprobs", "model.lora", "model.fused_decode"],
-    ["data.schema", "data.prompts", "model.gpt", "model.hf", "training", "tracking.common"],
-    ["files", "data.arithmetic", "sft_batches", "model.policy", "tracking.mlflow_client"],
-    ["data.gsm8k", "evaluation", "rollout", "checkpoint_manifest", "tracking.mlflow_logger", "cli"],
-    ["checkpoint", "tracking.mlflow_models"],
-    ["checkpoint_state", "tracking.mlflow_backend"],
+    ["core.errors", "core.config", "core.distributed", "core.progress", "rewards.parsing", "rewards.plugins.example",
+     "model.attention", "model.fast", "model.fast.packed", "model.hf_mask", "rl.masked"],
+    ["core.config_loading", "core.config_render", "core.files", "core.kernels", "core.lock", "core.summary",
+     "rewards.verifiers", "data.tokenizer", "model.logprobs", "model.lora", "model.fast.fused_decode", "rl.loss"],
+    ["core.cli", "data.schema", "data.prompts", "model.gpt", "model.hf", "train.optim", "tracking.common"],
+    ["data.arithmetic", "data.sft_batches", "model.policy", "tracking.mlflow_client"],
+    ["data.gsm8k", "rl.evaluation", "rl.rollout", "train.manifest", "tracking.mlflow_logger"],
+    ["train.checkpoint", "tracking.mlflow_models"],
+    ["train.state", "tracking.mlflow_backend"],
     ["tracking", "tracking.compare"],
-    ["generation", "group_sampling", "resume"],
-    ["stages.prepare", "stages.sft", "stages.grpo", "stages.evaluate", "fetch_model", "tracking.policy_model"],
+    ["rl.generation", "rl.group_sampling", "train.resume"],
+    ["stages.prepare", "stages.sft", "stages.grpo", "stages.evaluate", "model.fetch", "tracking.policy_model"],
     ["stages"],
     ["__main__"],
 ]
-PACKAGES = {"pipeline", "pipeline.data", "pipeline.model", "pipeline.rewards", "pipeline.rewards.plugins"}  # no code
+# the top-level units, bottom to top: a unit imports only from itself and the units before it
+UNITS = ["core", "rewards", "data", "model", "rl", "train", "tracking", "stages"]
+PACKAGES = {"pipeline", "pipeline.core", "pipeline.data", "pipeline.model", "pipeline.rewards", "pipeline.rewards.plugins",
+            "pipeline.rl", "pipeline.train"}  # no code
 
 
 def _modules() -> dict[str, Path]:
@@ -86,6 +89,21 @@ def test_imports_go_only_to_lower_layers(module):
     assert not upward, f"{module} (layer {here}) imports {upward} from its own layer or above"
 
 
+def test_pipeline_is_at_most_eight_units_each_importing_only_units_below():
+    """pipeline/ holds the eight units of UNITS (packages a reader can name) beside __init__ and
+    __main__, and a unit's code imports only its own unit and those below it: no import runs back up."""
+    top = {p.stem if p.is_file() else p.name for p in PIPELINE.iterdir()
+           if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))} - {"__init__", "__main__"}
+    assert top == set(UNITS), f"top-level units {sorted(top)} (expected {UNITS})"
+    upward = []
+    for module in sorted(set(MODULES) - {"pipeline", "pipeline.__main__"}):
+        unit = UNITS.index(module.split(".")[1])
+        for dep in imports_of(module):
+            if dep != "pipeline" and UNITS.index(dep.split(".")[1]) > unit:
+                upward.append(f"{module} -> {dep}")
+    assert not upward, "imports that run back up: " + "; ".join(upward)
+
+
 def test_the_import_graph_has_no_circle():
     graph = {m: imports_of(m) for m in MODULES}
     state: dict[str, int] = {}
@@ -134,13 +152,13 @@ def test_stages_start_no_process_and_never_import_prefect():
 
 def test_the_walk_sees_imports_at_every_depth():
     """Not vacuous: module-level and function-level imports are both found."""
-    assert {"pipeline.resume", "pipeline.group_sampling", "pipeline.model.policy"} <= imports_of("pipeline.stages.grpo")
+    assert {"pipeline.train.resume", "pipeline.rl.group_sampling", "pipeline.model.policy"} <= imports_of("pipeline.stages.grpo")
     assert "pipeline.model.hf" in imports_of("pipeline.model.policy")  # imported inside Policy.__init__
 
 
 # what a stage's outputs do not depend on (dvc.yaml's header says why they are not deps)
-NOT_DEPS = ("pipeline.config", "pipeline.errors", "pipeline.progress", "pipeline.lock", "pipeline.cli",
-            "pipeline.tracking", "pipeline.summary")
+NOT_DEPS = ("pipeline.core.config", "pipeline.core.errors", "pipeline.core.progress", "pipeline.core.lock", "pipeline.core.cli",
+            "pipeline.tracking", "pipeline.core.summary")
 
 
 def _closure(module: str) -> set[str]:
@@ -154,7 +172,7 @@ def _closure(module: str) -> set[str]:
     return seen
 
 
-STAGE_MODULES = {"warmup": "stages.grpo", "control": "stages.sft", "model": "fetch_model"}
+STAGE_MODULES = {"warmup": "stages.grpo", "control": "stages.sft", "model": "model.fetch"}
 DVC_FILES = {"dvc.yaml": ["prepare", "sft", "warmup", "control", "grpo", "evaluate"],
              "recipes/smollm2/dvc.yaml": ["model", "prepare", "sft", "warmup", "grpo", "evaluate"]}
 

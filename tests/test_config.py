@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import Config, ConfigError
-from pipeline.config_loading import config_from_dict, dump_config, load_config
+from pipeline.core.config import Config, ConfigError
+from pipeline.core.config_loading import config_from_dict, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_params_yaml_and_smoke_load_and_match_schema(monkeypatch):
-    from pipeline import config_loading
+    from pipeline.core import config_loading
 
     default = load_config(ROOT / "params.yaml")
     assert default.grpo.group_size == 8 and default.grpo.clip == 0.2 and default.grpo.kl_coef == 0.04
@@ -30,25 +30,25 @@ def test_params_yaml_lists_every_field():
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     assert set(raw) == set(Config().to_dict())
     for section, values in Config().to_dict().items():
-        assert set(raw[section]) == set(values), f"params.yaml section {section} differs from pipeline/config.py"
+        assert set(raw[section]) == set(values), f"params.yaml section {section} differs from pipeline/core/config.py"
     # ...and holds the same values: the dataclass defaults are the defaults of `--params` files that omit a key
     assert load_config(ROOT / "params.yaml").to_dict() == Config().to_dict()
 
 
 def test_params_yaml_is_written_from_the_dataclasses():
     """params.yaml's values are the defaults and its comments the section and field docstrings of
-    pipeline/config.py, so the two cannot drift; regenerate with `python -m pipeline.config_render > params.yaml`."""
-    from pipeline.config_render import field_docs, render_params
+    pipeline/core/config.py, so the two cannot drift; regenerate with `python -m pipeline.core.config_render > params.yaml`."""
+    from pipeline.core.config_render import field_docs, render_params
 
     text = (ROOT / "params.yaml").read_text()
-    assert text == render_params(Config()), "params.yaml is stale: python -m pipeline.config_render > params.yaml"
+    assert text == render_params(Config()), "params.yaml is stale: python -m pipeline.core.config_render > params.yaml"
     assert "  # Peak AdamW learning rate.\n  lr: 0.003\n" in text  # a field docstring, then its key
     docs = field_docs(type(Config().warmup))
     assert docs["adaptive"].startswith("Adaptive curriculum") and docs["lr"] == "Peak AdamW learning rate."
 
 
 def test_warmup_defaults_differ_only_where_declared():
-    from pipeline.config import WARMUP_DEFAULTS
+    from pipeline.core.config import WARMUP_DEFAULTS
 
     warmup, grpo = Config().warmup.__dict__, Config().grpo.__dict__
     differ = {k for k in grpo if warmup[k] != grpo[k]}
@@ -154,7 +154,7 @@ def test_a_cuda_device_this_machine_lacks_is_one_line_exit_2(tmp_path):
     """`model.device = cuda:N` with no such device: one line naming the key before the stage starts
     (was torch's traceback from the first `.to()`); cuda:63 is absent on any machine that runs this."""
     from pipeline.__main__ import check_device
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     res = _cli("warmup", "--params", str(ROOT / "configs" / "smoke.yaml"), "--set", "model.device=cuda:63",
                cwd=tmp_path)
@@ -217,7 +217,7 @@ def test_torchrun_ranks_get_gloo_on_the_cpu_and_one_gpu_each_on_cuda():
     not NCCL, which has no CPU tensors); a CUDA model needs a device per rank, else one line naming
     the key."""
     from pipeline.__main__ import ranks_env
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     def cfg(device):
         return load_config(ROOT / "params.yaml", [f"model.device={device}"])
@@ -283,7 +283,7 @@ def test_upper_bounds_are_named_in_the_message(override, pattern):
 @pytest.fixture
 def cpu_machine(monkeypatch):
     """A CPU-only machine with 16 GB of memory, whatever runs the tests."""
-    from pipeline import config_loading
+    from pipeline.core import config_loading
 
     monkeypatch.setattr(config_loading, "machine_memory", lambda: (16 * 10**9, "of memory"))
     monkeypatch.setattr(config_loading, "has_gpu", lambda: False)
@@ -309,7 +309,7 @@ def test_sizes_each_in_bounds_that_together_need_more_than_the_machine_are_one_l
 def test_every_committed_config_fits_a_16_gb_machine(cpu_machine, monkeypatch):
     """Every committed config is within the bounds, and fits a 16 GB machine: a CPU-only one, or for
     configs/gpu.yaml one with a GPU (on the CPU its evaluate batch alone would take ~65 GB)."""
-    from pipeline import config_loading
+    from pipeline.core import config_loading
 
     configs = [ROOT / "params.yaml", *sorted((ROOT / "configs").glob("*.yaml")),
                *sorted((ROOT / "recipes").glob("*/params.yaml"))]
@@ -326,7 +326,7 @@ def test_every_committed_config_fits_a_16_gb_machine(cpu_machine, monkeypatch):
 def test_the_estimate_leaves_gpu_runs_and_hf_models_to_their_own_checks(cpu_machine, monkeypatch):
     """On a GPU the weights live in its memory, which the config cannot see; an hf model's size is
     the model's, not the config's: neither is compared with this machine's memory here."""
-    from pipeline import config_loading
+    from pipeline.core import config_loading
 
     big = ["model.n_layer=1024", "model.n_embd=4096"]
     load_config(ROOT / "params.yaml", [*big, "model.device=cuda"])
@@ -338,7 +338,7 @@ def test_the_estimate_leaves_gpu_runs_and_hf_models_to_their_own_checks(cpu_mach
 
 
 def test_the_machines_memory_is_the_least_of_ram_cgroup_and_address_space_limit(tmp_path, monkeypatch):
-    from pipeline import config_loading
+    from pipeline.core import config_loading
 
     ram, _ = config_loading.machine_memory()
     limit = tmp_path / "memory.max"
@@ -360,7 +360,7 @@ def test_an_address_space_cap_counts_as_the_machines_memory():
 def test_the_estimate_counts_bf16_weights_with_their_fp32_masters_and_moments(cpu_machine):
     """bf16 halves the weights, gradients and reference but not AdamW's fp32 moments, and adds the fp32
     masters (training.MasterAdamW): 18 bytes a parameter with the reference, against 20 in fp32."""
-    from pipeline.config_loading import _gpt_params, _grpo_need, load_config
+    from pipeline.core.config_loading import _gpt_params, _grpo_need, load_config
 
     for dtype, per_param in (("float32", 20), ("bfloat16", 18)):
         cfg = load_config(ROOT / "params.yaml", [f"model.param_dtype={dtype}", "warmup.kl_coef=0.04",

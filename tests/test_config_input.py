@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError
-from pipeline.config_loading import load_config
+from pipeline.core.config import ConfigError
+from pipeline.core.config_loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

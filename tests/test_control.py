@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import sft_batches
-from pipeline.config import ConfigError
-from pipeline.errors import InputError
-from pipeline.files import read_rows
+from pipeline.core.config import ConfigError
+from pipeline.core.errors import InputError
+from pipeline.data import sft_batches
+from pipeline.data.schema import read_rows
 from pipeline.stages import sft
 
 from tests.conftest import GSM8K, REPO, smoke_cfg, weights
@@ -89,7 +89,7 @@ def test_the_budget_is_checked_and_keys_the_resume_state(workdir):
 def test_control_starts_from_the_sft_weights_and_trains_on(workdir):
     """control.steps = 0 saves checkpoints/sft's weights unchanged; control.steps = 4 moves them,
     with the control's own schedule, and writes its own checkpoint and series."""
-    from pipeline.checkpoint import load_extra_state
+    from pipeline.train.checkpoint import load_extra_state
 
     start = weights(Path("checkpoints/sft"))
     out = sft.run_sft(smoke_cfg("control.steps=0"), "control")
@@ -177,7 +177,7 @@ def test_missing_sft_checkpoint_is_one_line_and_exit_2(workdir):
 def test_control_of_an_hf_init_model_trains_with_the_models_tokenizer(grpo_workdir, hf_dirs):
     """model.init set: sft copies the HF model, the control fine-tunes that copy, encoding the data
     with the model's own tokenizer (data/tokenizer.json is the BPE of another model)."""
-    from pipeline.checkpoint import load_policy
+    from pipeline.train.checkpoint import load_policy
 
     cfg = smoke_cfg("model.backend=hf", f"model.init={hf_dirs['gpt2']}", "model.block_size=128", "sft.max_len=128",
                     "control.steps=2", "sft.eval_samples=2")

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.config_loading import load_config
+from pipeline.core.config_loading import load_config
+from pipeline.core.errors import InputError
 from pipeline.data import arithmetic as ar
 from pipeline.data import gsm8k as gs
 from pipeline.data.prompts import format_number, format_prompt
-from pipeline.errors import InputError
 from tests.conftest import GOOD, GSM8K, REPO, TEMPLATE, write_jsonl
 
 # --------------------------------------------------------------------------- answers and rewriting
@@ -330,7 +330,7 @@ def test_run_prepare_end_to_end_is_deterministic(tmp_path, monkeypatch):
     assert rows["gsm8k_test"][0]["id"] == "gsm8k-test-00000" and rows["gsm8k_test"][0]["gold"] == 18.0
     stats = json.loads(first["stats.json"])
     assert stats["rejected"]["train"] == 0 and stats["token_lengths"]["arith_eval"]["prompt"]["max"] > 0
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.data.tokenizer import load_tokenizer
 
     assert load_tokenizer("data/tokenizer.json").vocab_size == 400
 

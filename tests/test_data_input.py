@@ -9,11 +9,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline import files
-from pipeline.config_loading import load_config
+from pipeline.core import files
+from pipeline.core.config_loading import load_config
+from pipeline.core.errors import InputError
 from pipeline.data import gsm8k as gs
-from pipeline.errors import InputError
-from pipeline.files import read_rows
+from pipeline.data.schema import read_rows
 from pipeline.stages.prepare import run_prepare
 from tests.conftest import GOOD, TEMPLATE, write_jsonl
 
@@ -68,7 +68,7 @@ def test_a_50_mb_line_is_refused_with_bounded_memory(tmp_path):
     src = _source(tmp_path)
     with open(src / "train.jsonl", "a") as f:
         f.write(json.dumps({"question": "x" * 50_000_000, "answer": "#### 1"}) + "\n")
-    code = ("import sys\nfrom pipeline.data.gsm8k import load_raw\nfrom pipeline.errors import InputError\n"
+    code = ("import sys\nfrom pipeline.data.gsm8k import load_raw\nfrom pipeline.core.errors import InputError\n"
             f"try:\n    load_raw({str(src)!r})\nexcept InputError as e:\n    print(e)\n"
             # this process's own peak (VmHWM): ru_maxrss would also count the parent's pages, which
             # Linux carries into a vforked child's figure (over 1 GB late in a full test run)
@@ -283,7 +283,7 @@ def test_a_symlinked_data_folder_stays_a_link_and_is_replaced_where_it_points(tm
 
 
 def test_a_symlinked_checkpoint_folder_stays_a_link(tmp_path, gpt_policy):
-    from pipeline.checkpoint import load_policy, save_policy
+    from pipeline.train.checkpoint import load_policy, save_policy
 
     volume = _other_filesystem(tmp_path)
     try:

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline import distributed as dist_utils
-from pipeline.config_loading import config_from_dict
+from pipeline.core import distributed as dist_utils
+from pipeline.core.config_loading import config_from_dict
 from tests.conftest import tiny_model_config
 from tests.fake_accelerator import DEVICE, DeviceMismatch, OnDevice, simulated_accelerator
 
@@ -33,8 +33,8 @@ def _row(i: int, a: int, b: int) -> dict:
 @pytest.fixture
 def stage_dir(tmp_path, monkeypatch, tiny_tokenizer):
     """A working directory for the warmup stage: arithmetic rows and a tiny GPT as the SFT checkpoint."""
-    from pipeline.checkpoint import save_policy
     from pipeline.model.policy import build_policy
+    from pipeline.train.checkpoint import save_policy
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import STAGES, Config
+from pipeline.core.config import STAGES, Config
 from tests.conftest import GSM8K, QUIET_ENV, REPO, copy_repo, output_files, smoke_outputs
 
 BIN = Path(sys.executable).parent
@@ -211,7 +211,7 @@ def test_a_gsm8k_source_dvc_cannot_hash_is_one_line_before_any_stage(tmp_path):
     a flow run's copy checks the configured source first: a path, relative to the copy or absolute, passes;
     a hub id or a missing path is one line naming the key and saying that hub ids are read outside DVC."""
     from flows.experiment import apply_overrides, check_gsm8k_source
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     params = tmp_path / "params.yaml"
     params.write_text((REPO / "params.yaml").read_text())

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import evaluation as ev
-from pipeline import files
-from pipeline.config import Config
-from pipeline.errors import InputError
+from pipeline.core import files
+from pipeline.core.config import Config
+from pipeline.core.errors import InputError
+from pipeline.rl import evaluation as ev
 
 # --------------------------------------------------------------------------- scoring
 
@@ -299,7 +299,7 @@ def test_summary_table_renders_every_stage_and_metric():
 
 
 def _write_data(root: Path, n: int = 3) -> None:
-    from pipeline.config import DEFAULT_TEMPLATE
+    from pipeline.core.config import DEFAULT_TEMPLATE
 
     (root / "data").mkdir(exist_ok=True)
     for name, source in (("gsm8k_test.jsonl", "gsm8k"), ("arith_eval.jsonl", "arith")):
@@ -367,10 +367,10 @@ class _RecordingLogger:
 
 
 def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
-    from pipeline.checkpoint import save_policy
+    from pipeline.data.tokenizer import train_tokenizer
     from pipeline.model.policy import build_policy
     from pipeline.stages.evaluate import eval_jobs, run_evaluate
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.train.checkpoint import save_policy
 
     import torch
 
@@ -432,7 +432,7 @@ def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
 def test_series_csv_is_one_format_for_every_stage(tmp_path):
     """sft.csv and the GRPO stages' csv come from one writer: header, 6 significant digits (small
     values such as an LR of 3e-7 survive), ints as is, empty cells for missing values."""
-    from pipeline.files import write_series_csv
+    from pipeline.core.files import write_series_csv
 
     rows = [{"iteration": 1, "lr": 3e-7, "reward": 0.123456789, "accuracy": None},
             {"iteration": 2, "lr": 3e-7, "reward": 1.0, "extra": "ignored"}]
@@ -465,7 +465,7 @@ def test_fewshot_prompt_as_chat_turns_and_as_text(hf_dirs):
     """Under the chat template each worked example is an earlier user turn (the filled prompt template)
     and its assistant answer, then the question's user turn with the assistant turn opened; without it,
     the examples' prompts and responses as text, a blank line apart, then the question's prompt."""
-    from pipeline.model.hf import load_hf_tokenizer
+    from pipeline.data.tokenizer import load_hf_tokenizer
     from pipeline.stages.evaluate import fewshot_prompt
 
     cfg = _quiet_cfg()
@@ -507,11 +507,11 @@ def test_fewshot_entry_scores_the_checkpoint_on_prompts_with_worked_examples(tmp
     reference loop), and the per-level keys appear with evaluate.per_level."""
     import torch
 
-    from pipeline.checkpoint import load_policy, save_policy
-    from pipeline.generation import generate
+    from pipeline.data.tokenizer import train_tokenizer
     from pipeline.model.policy import build_policy
+    from pipeline.rl.generation import generate
     from pipeline.stages.evaluate import fewshot_prompt, run_evaluate
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.train.checkpoint import load_policy, save_policy
 
     monkeypatch.chdir(tmp_path)
     _write_data(tmp_path, n=3)
@@ -548,8 +548,8 @@ def test_fewshot_entry_scores_the_checkpoint_on_prompts_with_worked_examples(tmp
 def _budget_policy(block_size: int):
     import torch
 
+    from pipeline.data.tokenizer import train_tokenizer
     from pipeline.model.policy import build_policy
-    from pipeline.tokenizer import train_tokenizer
 
     cfg = _quiet_cfg()
     cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size = 1, 2, 32, block_size
@@ -565,8 +565,8 @@ def test_every_row_gets_its_own_budget_whatever_the_batch(group_size):
     plain loop generating that row alone with min(max_new_tokens, context - prompt), at any batch size."""
     import torch
 
-    from pipeline.generation import generate, row_budgets
-    from pipeline.rollout import rollout_prompts
+    from pipeline.rl.generation import generate, row_budgets
+    from pipeline.rl.rollout import rollout_prompts
 
     policy = _budget_policy(block_size=40)
     prompts = ["What is 1 + 5?", "a " * 36, "Question: What?", "a " * 38, "b c"]
@@ -592,9 +592,9 @@ def test_every_row_gets_its_own_budget_whatever_the_batch(group_size):
 def test_a_question_too_long_for_the_context_is_counted_and_the_rest_scored(tmp_path, monkeypatch, caplog):
     """A 10 KB test question: evaluate scores every other row, counts it (gsm8k_unscorable) and names
     its id, instead of stopping before any checkpoint with a batch range."""
-    from pipeline.checkpoint import save_policy
-    from pipeline.config import DEFAULT_TEMPLATE
+    from pipeline.core.config import DEFAULT_TEMPLATE
     from pipeline.stages.evaluate import run_evaluate
+    from pipeline.train.checkpoint import save_policy
 
     monkeypatch.chdir(tmp_path)
     _write_data(tmp_path, n=3)

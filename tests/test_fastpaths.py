@@ -1,4 +1,4 @@
-"""The fast paths (pipeline.model.fastpaths) against the plain paths, on every backend: the same
+"""The fast paths (pipeline.model.fast) against the plain paths, on every backend: the same
 greedy completions, log-probs and gradients, the same sampling distribution; and the switch does
 switch (the decoders' structure, the draw)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.model import fastpaths
-from pipeline.rollout import rollout_prompts, sample_next
+from pipeline.model import fast
+from pipeline.rl.rollout import rollout_prompts, sample_next
 
 PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: 12 - 5?", "Question: What is 99 + 1?\nAnswer: 9"]
 
@@ -15,7 +15,7 @@ PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: 12 - 5?", "Question: 
 def _work(policy):
     """A greedy rollout, the GRPO log-prob pass of a sampled rollout, and that pass's gradient."""
     greedy = rollout_prompts(policy, PROMPTS, group_size=3, max_new_tokens=8, greedy=True, stop_ids=[])
-    with fastpaths.plain():  # the same sampled batch for both: plain draws differ from fast ones
+    with fast.plain():  # the same sampled batch for both: plain draws differ from fast ones
         ro = rollout_prompts(policy, PROMPTS, group_size=4, max_new_tokens=8, generator=torch.Generator().manual_seed(1))
     policy.module.zero_grad()
     lp = policy.token_logprobs(ro.input_ids, ro.attention_mask, 0.7, start=ro.prompt_len, group_size=4)
@@ -25,14 +25,14 @@ def _work(policy):
 
 
 def test_every_fast_path_equals_the_plain_path(any_policy):
-    fast = _work(any_policy)
-    with fastpaths.plain():
+    quick = _work(any_policy)
+    with fast.plain():
         plain = _work(any_policy)
-    assert fast[0].texts == plain[0].texts and torch.equal(fast[0].input_ids, plain[0].input_ids)
-    torch.testing.assert_close(fast[0].logprobs, plain[0].logprobs, atol=1e-5, rtol=0)
-    torch.testing.assert_close(fast[1], plain[1], atol=1e-5, rtol=0)
-    assert len(fast[2]) == len(plain[2]) > 0
-    for a, b in zip(fast[2], plain[2]):
+    assert quick[0].texts == plain[0].texts and torch.equal(quick[0].input_ids, plain[0].input_ids)
+    torch.testing.assert_close(quick[0].logprobs, plain[0].logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(quick[1], plain[1], atol=1e-5, rtol=0)
+    assert len(quick[2]) == len(plain[2]) > 0
+    for a, b in zip(quick[2], plain[2]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
@@ -40,7 +40,7 @@ def test_plain_sampling_draws_from_the_same_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).expand(40_000, 5)
     want = logits[0].double().softmax(-1)
     for plain in (False, True):
-        with fastpaths.plain() if plain else torch.no_grad():
+        with fast.plain() if plain else torch.no_grad():
             tokens, logp = sample_next(logits, generator=torch.Generator().manual_seed(3))
         freq = torch.bincount(tokens, minlength=5).double() / tokens.numel()
         torch.testing.assert_close(freq, want, atol=0.01, rtol=0)
@@ -59,12 +59,12 @@ def test_the_switch_turns_the_decoders_plain(gpt_policy, hf_dirs):
     pos = torch.arange(ids.shape[1])[None]
     hf = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"]))
     for plain in (False, True):
-        with fastpaths.plain() if plain else torch.no_grad(), torch.no_grad():
+        with fast.plain() if plain else torch.no_grad(), torch.no_grad():
             dec = gpt_policy.decoder(ids.shape[1] + 4).inner
             dec.prefill(ids, mask, pos, 3)
             assert (dec.cache.prefix is None) == plain  # plain: every row holds its own copy of the prompt keys
             assert HFDecoder(hf.module, 16).shared != plain
-    assert fastpaths.enabled()
+    assert fast.enabled()
 
 
 def _tiny_gpt2(activation: str):
@@ -119,7 +119,7 @@ def test_the_tanh_gelu_formula_is_one_op_of_the_same_function():
         torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
         for a, b in zip(outs[0][1], outs[1][1]):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-        with fastpaths.plain(), torch.no_grad():  # the switch runs the formula it replaced: the same bits
+        with fast.plain(), torch.no_grad():  # the switch runs the formula it replaced: the same bits
             assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
 
 

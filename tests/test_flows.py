@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import STAGES
+from pipeline.core.config import STAGES
 from tests.conftest import REPO, copy_repo, experiment, output_files, sh, smoke_outputs, task_runs_of, tracked_repo
 
 
@@ -62,7 +62,7 @@ def _failed(exc):
 
 
 def test_retry_conditions_retry_only_transient_failures():
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
     from pipeline.tracking import TrackingUnavailableError
     from tasks.stages import prepare, retry_on_tracking_outage, retry_on_transient, sft
 
@@ -86,7 +86,7 @@ def test_retry_conditions_retry_only_transient_failures():
 
 def test_flow_rejects_bad_config_before_any_task(tmp_path, harness, monkeypatch):
     from flows.grpo_pipeline import grpo_pipeline
-    from pipeline.config import ConfigError
+    from pipeline.core.config import ConfigError
 
     monkeypatch.chdir(REPO)
     params = tmp_path / "p.yaml"
@@ -364,7 +364,7 @@ def test_failed_stage_fails_the_flow_closes_its_parent_and_saves_no_experiment(t
     from mlflow.tracking import MlflowClient
 
     from flows.grpo_pipeline import grpo_pipeline
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     repo = tracked_repo(tmp_path, "failing")
     monkeypatch.chdir(repo)

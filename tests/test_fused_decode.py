@@ -1,14 +1,15 @@
-"""The fused Llama/Qwen2 decode step (pipeline.model.fused_decode) against the module path it
+"""The fused Llama/Qwen2 decode step (pipeline.model.fast.fused_decode) against the module path it
 replaces: the same shared-prefix decoder with each step run through the model's own modules."""
 
 import pytest
 import torch
 from torch import nn
 
-from pipeline.model import fastpaths, fused_decode
+from pipeline.model import fast
+from pipeline.model.fast import fused_decode
 from pipeline.model.hf import HFDecoder
 from pipeline.model.policy import _Autocasting, build_policy
-from pipeline.rollout import rollout_prompts
+from pipeline.rl.rollout import rollout_prompts
 from tests.conftest import tiny_model_config
 
 PROMPTS = ["2+3=", "a longer prompt 17*4=", "x"]
@@ -98,7 +99,7 @@ def test_linear_casts_its_weight_once_under_autocast():
 
 def test_plain_switch_and_wrapped_layers_take_the_module_path(hf_dirs):
     policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs["llama"]))
-    with fastpaths.plain():
+    with fast.plain():
         assert not HFDecoder(policy.module, 16).use_fused
 
     class Wrapped(nn.Linear):  # e.g. a LoRA or quantised layer: its forward is not x @ W.T
@@ -153,7 +154,7 @@ def test_bf16_rollout_casts_each_weight_once(kind, tiny_tokenizer, hf_dirs, monk
     every decode step (one autocast region for the whole rollout keeps autocast's cast cache;
     inference mode turns that cache off; the fused steps keep their own casts), and samples exactly
     what per-step casts sample: the same tokens and log-probs."""
-    from pipeline import rollout as rollout_mod
+    from pipeline.rl import rollout as rollout_mod
 
     torch.manual_seed(0)
     if kind == "gpt":

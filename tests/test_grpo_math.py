@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from pipeline.grpo import aggregate, group_advantages, grpo_loss, informative_fraction, k3_kl
-from pipeline.utils import masked_mean
+from pipeline.rl.loss import aggregate, group_advantages, grpo_loss, informative_fraction, k3_kl
+from pipeline.rl.masked import masked_mean
 
 
 def test_group_advantages_hand_computed():

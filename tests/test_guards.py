@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from pipeline.errors import CheckpointError, InputError, TrainingDivergedError
-from pipeline.training import WEIGHT_LIMIT, build_optimizer, step_if_finite
+from pipeline.core.errors import CheckpointError, InputError, TrainingDivergedError
+from pipeline.train.optim import WEIGHT_LIMIT, build_optimizer, step_if_finite
 from tests.conftest import GSM8K, smoke_cfg, weights
 from tests.conftest import REPO as ROOT
 
@@ -40,7 +40,7 @@ def test_a_finite_but_exploding_step_is_caught_after_the_update():
 
 
 def test_the_sampler_never_returns_an_index_outside_the_vocabulary():
-    from pipeline.rollout import sample_next
+    from pipeline.rl.rollout import sample_next
 
     logits = torch.full((3, 400), float("nan"))
     logits[1] = torch.randn(400)
@@ -83,9 +83,9 @@ def test_cli_lr_1e9_is_one_line_exit_2_and_a_rerun_can_continue(workdir):
 
 
 def test_a_blown_up_resume_state_is_never_resumed(workdir):
-    from pipeline.checkpoint import load_policy
-    from pipeline.resume import load_resume, save_resume
     from pipeline.stages.grpo import TrainState
+    from pipeline.train.checkpoint import load_policy
+    from pipeline.train.resume import load_resume, save_resume
 
     policy = load_policy(workdir / "checkpoints" / "warmup", device="cpu")
     opt = build_optimizer(policy.module, 1e-3, 0.0)
@@ -98,7 +98,7 @@ def test_a_blown_up_resume_state_is_never_resumed(workdir):
     assert load_resume(workdir / "r", "k", TrainState, policy, opt, None) is None
     assert all(torch.equal(good[k], v) for k, v in policy.module.state_dict().items())  # untouched
     with pytest.raises(CheckpointError, match="holds non-finite or exploded weights"):
-        from pipeline.checkpoint_state import load_training_state
+        from pipeline.train.state import load_training_state
 
         load_training_state(workdir / "r" / "step_000001", policy, opt)
 
@@ -108,9 +108,9 @@ def test_states_of_other_params_do_not_push_out_a_new_runs_states(workdir):
     lr, as the divergence message advises): its key differs, so it starts over, and its own states
     10, 20, 30 are kept by keep_last=2 (the old ones, newer by name, once made each new state be
     deleted as soon as it was written, so a kill restarted from 0 again)."""
-    from pipeline.checkpoint import load_policy
-    from pipeline.resume import load_resume, save_resume
     from pipeline.stages.grpo import TrainState
+    from pipeline.train.checkpoint import load_policy
+    from pipeline.train.resume import load_resume, save_resume
 
     policy = load_policy(workdir / "checkpoints" / "warmup", device="cpu")
     opt = build_optimizer(policy.module, 1e-3, 0.0)
@@ -138,10 +138,10 @@ def test_model_params_that_disagree_with_the_checkpoint_are_refused(workdir, ove
 
 
 def test_a_reference_of_another_architecture_is_refused(workdir):
-    from pipeline.checkpoint import save_policy
+    from pipeline.data.tokenizer import load_tokenizer
     from pipeline.model.policy import build_policy
     from pipeline.stages.grpo import run_grpo
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.train.checkpoint import save_policy
 
     cfg = smoke_cfg()
     other = build_policy(smoke_cfg("model.n_embd=64").model, load_tokenizer(workdir / "data" / "tokenizer.json"))
@@ -153,7 +153,7 @@ def test_a_reference_of_another_architecture_is_refused(workdir):
 
 
 def test_an_unknown_device_is_refused_by_the_config():
-    from pipeline.config import ConfigError
+    from pipeline.core.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"model.device = 'cudaXYZ' is out of range; allowed: auto, cpu, cuda or cuda:N"):
         smoke_cfg("model.device=cudaXYZ")
@@ -166,8 +166,8 @@ def test_a_resume_state_moved_in_from_another_seed_or_stage_is_not_resumed(workd
     continued as if it were this run's."""
     import shutil
 
-    from pipeline.resume import load_resume, save_resume
     from pipeline.stages.grpo import TrainState, compatibility_key, setup
+    from pipeline.train.resume import load_resume, save_resume
 
     runs = {"warmup seed 0": setup(smoke_cfg(), "warmup"), "warmup seed 1": setup(smoke_cfg("warmup.seed=1"), "warmup"),
             "grpo seed 0": setup(smoke_cfg(), "grpo")}

@@ -140,7 +140,7 @@ def test_rollouts_and_shared_prompt_passes_do_not_need_the_kernel_to_zero_empty_
     tokens with the same log-probs as with torch's SDPA, and the shared-prompt pass gives the same
     log-probs; with the 2-D mask the padded prompts' rows sample with NaN log-probs (which the GRPO
     stage refuses)."""
-    from pipeline.rollout import rollout_prompts
+    from pipeline.rl.rollout import rollout_prompts
 
     policy = build_policy(tiny_model_config(backend="hf", init=hf_dirs[kind]))
     V = policy.tokenizer.vocab_size

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config_loading import load_config
+from pipeline.core.config_loading import load_config
 from tests.conftest import CHAT_TEMPLATE, tiny_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def instruct_overrides(gsm8k: Path, init: str) -> list[str]:
 
 
 def test_chat_prompt_is_the_tokenizers_template(hf_dirs):
-    from pipeline.model.hf import load_hf_tokenizer
+    from pipeline.data.tokenizer import load_hf_tokenizer
 
     tok = load_hf_tokenizer(hf_dirs["llama"])
     text = tok.chat_prompt("What is 2 + 3?", "Be brief.")
@@ -62,7 +62,7 @@ def test_chat_prompt_is_the_tokenizers_template(hf_dirs):
 
 
 def test_prepare_with_the_hf_backend_uses_the_model_tokenizer_and_template(tmp_path, monkeypatch, qwen2_dir):
-    from pipeline.model.hf import load_hf_tokenizer
+    from pipeline.data.tokenizer import load_hf_tokenizer
     from pipeline.stages.prepare import run_prepare
 
     gsm8k = write_gsm8k(tmp_path / "gsm8k")
@@ -130,8 +130,8 @@ def test_instruct_config_end_to_end_on_cpu(tmp_path, qwen2_dir):
     assert set(metrics) == {"sft", "grpo"}
     AutoModelForCausalLM.from_pretrained(work / "checkpoints" / "grpo")
 
-    from pipeline.group_sampling import sample_groups
     from pipeline.rewards.verifiers import reward_for
+    from pipeline.rl.group_sampling import sample_groups
     from pipeline.stages.grpo import setup
 
     os.chdir(work)

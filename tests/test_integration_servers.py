@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import STAGES
+from pipeline.core.config import STAGES
 from tests.conftest import QUIET_ENV, copy_repo, sh, task_runs_of
 
 pytestmark = pytest.mark.integration
@@ -485,7 +485,7 @@ class LaggingProxy:
 
 
 LOGGING_STAGE = """import sys
-from pipeline.config import Config, TrackingConfig
+from pipeline.core.config import Config, TrackingConfig
 from pipeline.tracking import stage_logger
 cfg = Config(tracking=TrackingConfig(enabled=True, uri=sys.argv[1], experiment="lag"))
 with stage_logger(cfg, sys.argv[2]) as log:

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from pipeline import kernels
-from pipeline.errors import InputError
+from pipeline.core import kernels
+from pipeline.core.errors import InputError
 from tests.conftest import GSM8K, QUIET_ENV, REPO
 
 AVX2_CPU = {"sse2", "avx", "avx2", "fma"}
@@ -83,7 +83,7 @@ def test_flags_and_vendor_are_read_from_cpuinfo(tmp_path):
 def test_apply_replaces_a_different_value_from_the_environment_and_says_so(caplog, monkeypatch):
     monkeypatch.setattr(kernels, "cpuinfo", lambda: (AVX2_CPU, "GenuineIntel"))
     env = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX2", "OTHER": "x"}
-    with caplog.at_level(logging.INFO, logger="pipeline.kernels"):
+    with caplog.at_level(logging.INFO, logger="pipeline.core.kernels"):
         assert kernels.apply("avx2", env) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
                                               "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert env == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OTHER": "x"}
@@ -97,7 +97,7 @@ def test_apply_replaces_a_different_value_from_the_environment_and_says_so(caplo
 def test_a_non_intel_cpu_is_told_which_mkl_branch_it_gets(caplog, monkeypatch):
     """MKL honours the AVX2/AVX512 branches on Intel CPUs only (its AUTO branch elsewhere); COMPATIBLE everywhere."""
     monkeypatch.setattr(kernels, "cpuinfo", lambda: (AVX2_CPU, "AuthenticAMD"))
-    with caplog.at_level(logging.INFO, logger="pipeline.kernels"):
+    with caplog.at_level(logging.INFO, logger="pipeline.core.kernels"):
         kernels.apply("avx2", {})
         kernels.apply("compatible", {})
     assert [r.getMessage() for r in caplog.records] == [
@@ -109,8 +109,8 @@ def _capability_after_pin(setting: str) -> tuple[str, str | None]:
     """What torch reports in a fresh process after the pin (MKL's branch is not readable back from
     torch: its variable is what this returns beside it), and the instruction set oneDNN's verbose log
     names when the rollout's packed linear runs (None where this torch has no oneDNN linear)."""
-    code = ("import sys; from pipeline import kernels; kernels.apply(sys.argv[1]); import os, torch; "
-            "from pipeline.model import packed\n"
+    code = ("import sys; from pipeline.core import kernels; kernels.apply(sys.argv[1]); import os, torch; "
+            "from pipeline.model.fast import packed\n"
             "if packed.onednn_available(): packed.OneDNNWeight(torch.ones(4, 8), None, 2)(torch.ones(2, 8))\n"
             "print('torch:', torch.backends.cpu.get_cpu_capability(), os.environ.get('MKL_CBWR'))")
     env = {k: v for k, v in ENV.items() if k not in kernels.ENV_VARS} | {"ONEDNN_VERBOSE": "1"}
@@ -124,7 +124,7 @@ def _capability_after_pin(setting: str) -> tuple[str, str | None]:
 
 @pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
 def test_torch_computes_with_the_pinned_kernels():
-    from pipeline.model import packed
+    from pipeline.model.fast import packed
 
     onednn = packed.onednn_available()
     assert _capability_after_pin("compatible") == ("DEFAULT COMPATIBLE", "Intel SSE4.1" if onednn else None)

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import InputError
-from pipeline.group_sampling import (LEVEL_DECAY, count_levels, level_keep, level_rates, next_prompts, next_shard,
+from pipeline.core.errors import InputError
+from pipeline.rl.group_sampling import (LEVEL_DECAY, count_levels, level_keep, level_rates, next_prompts, next_shard,
                                      row_levels)
 from tests.conftest import smoke_cfg, weights
 
@@ -135,7 +135,7 @@ def test_counts_are_summed_across_ranks_so_every_rank_draws_alike(monkeypatch):
     """Two ranks, each with its own groups: each rank's all-reduce returns the sum of both ranks' local
     counts, so both end with the same counts (and so the same chances and cursor). Simulated by
     pairing the two calls: rank 0's local vector is held until rank 1's arrives."""
-    import pipeline.group_sampling as gs
+    import pipeline.rl.group_sampling as gs
 
     levels = [1, 2, 1, 2]
     counts = {"1": [1.0, 0.0], "2": [1.0, 1.0]}
@@ -172,7 +172,7 @@ def test_rows_without_an_integer_level_are_refused_naming_file_and_row():
 
 
 def test_level_floor_out_of_range_is_refused():
-    from pipeline.config_loading import ConfigError
+    from pipeline.core.config_loading import ConfigError
 
     with pytest.raises(ConfigError, match=r"warmup.level_floor = 0.0 is out of range; allowed: a number in \(0, 1\]"):
         smoke_cfg("warmup.level_floor=0")

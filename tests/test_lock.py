@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.lock import LOCK_FILE, WorkspaceBusyError, check_free, read_holder, workspace_lock
+from pipeline.core.lock import LOCK_FILE, WorkspaceBusyError, check_free, read_holder, workspace_lock
 from tests.conftest import QUIET_ENV, REPO
 
 ENV = {**os.environ, **QUIET_ENV, "PYTHONPATH": str(REPO)}
-HOLD = "import time\nfrom pipeline.lock import workspace_lock\nwith workspace_lock('stage sft'):\n" \
+HOLD = "import time\nfrom pipeline.core.lock import workspace_lock\nwith workspace_lock('stage sft'):\n" \
        "    print('held', flush=True); time.sleep(60)"
 ROUNDS, RACERS = 400, 8
 
@@ -122,9 +122,9 @@ def test_a_lock_file_naming_a_live_unrelated_pid_blocks_nothing(tmp_path):
 def test_a_holders_children_pass_through_and_others_are_refused(tmp_path):
     """A child started with the holder's environment (a torchrun rank, `dvc repro` under the flow)
     passes through the lock; the same command without the holder's token is refused."""
-    from pipeline.lock import TOKEN_ENV
+    from pipeline.core.lock import TOKEN_ENV
 
-    child = [sys.executable, "-c", "from pipeline.lock import workspace_lock\n"
+    child = [sys.executable, "-c", "from pipeline.core.lock import workspace_lock\n"
              "with workspace_lock('stage sft (rank 1)'):\n    print('through')"]
     with workspace_lock("stage sft (torchrun, 2 processes)", tmp_path):
         ours = subprocess.run(child, cwd=tmp_path, env={**ENV, TOKEN_ENV: os.environ[TOKEN_ENV]},

@@ -15,11 +15,11 @@ from tests.conftest import tiny_model_config
 
 pytest.importorskip("peft")
 
-from pipeline.checkpoint import load_policy, save_policy  # noqa: E402
-from pipeline.checkpoint_state import load_training_state, save_training_state
 from pipeline.model.lora import AdaptersOff, add_lora, is_lora  # noqa: E402
 from pipeline.model.policy import build_policy  # noqa: E402
-from pipeline.training import build_optimizer  # noqa: E402
+from pipeline.train.checkpoint import load_policy, save_policy  # noqa: E402
+from pipeline.train.optim import build_optimizer  # noqa: E402
+from pipeline.train.state import load_training_state, save_training_state
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets=["q_proj", "v_proj", "o_proj"])
 
@@ -158,7 +158,7 @@ def test_grpo_stage_with_lora_writes_a_merged_checkpoint(hf_dirs, tmp_path, monk
     untargeted weights are the init's."""
     from safetensors.torch import load_file
 
-    from pipeline.config_loading import config_from_dict
+    from pipeline.core.config_loading import config_from_dict
     from pipeline.stages.grpo import run_grpo
 
     monkeypatch.chdir(tmp_path)
@@ -211,9 +211,9 @@ def test_grpo_runs_a_lora_policy_with_dropout_off_and_its_reference_is_the_base(
     iteration: every module stays in eval mode after the rollout and the update, the policy's
     log-probs are deterministic, and the reference (adapters off) is exactly the frozen base, the
     reference of a run without LoRA (frozen: a weight that requires grad can take another matmul path)."""
-    from pipeline.config_loading import config_from_dict
+    from pipeline.core.config_loading import config_from_dict
+    from pipeline.rl.rollout import rollout_prompts
     from pipeline.stages.grpo import TrainState, grpo_iteration, setup
-    from pipeline.rollout import rollout_prompts
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()

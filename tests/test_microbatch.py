@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import GRPOConfig
-from pipeline.grpo import group_advantages
-from pipeline.rollout import rollout_prompts
+from pipeline.core.config import GRPOConfig
+from pipeline.rl.loss import group_advantages
+from pipeline.rl.rollout import rollout_prompts
 from pipeline.stages.grpo import Batch, accumulate_gradients, micro_batches
 from tests.conftest import tiny_model_config
 

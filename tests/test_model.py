@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.config import ModelConfig
+from pipeline.core.config import ModelConfig
 from pipeline.model.attention import grouped_prefix_attention, positions_from_mask
 from pipeline.model.gpt import GPT, GPTConfig, GPTDecoder, count_params
 from pipeline.model.policy import build_policy, resolve_autocast, resolve_device
@@ -232,7 +232,7 @@ def test_gpt_config_takes_its_shape_from_the_model_config():
     import dataclasses
     import typing
 
-    from pipeline.config import ModelConfig
+    from pipeline.core.config import ModelConfig
     from pipeline.model.gpt import SHAPE_FIELDS
 
     gpt, model = GPTConfig(), ModelConfig()

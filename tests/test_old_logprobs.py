@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.group_sampling import select_rollouts
-from pipeline.model import fastpaths
-from pipeline.rollout import rollout_prompts
+from pipeline.model import fast
+from pipeline.rl.group_sampling import select_rollouts
+from pipeline.rl.rollout import rollout_prompts
 from tests.conftest import smoke_cfg
 
 PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: What is 12 - 5?\nAnswer:"]
@@ -71,7 +71,7 @@ def test_the_stage_reuses_the_recorded_logprobs_only_in_fp32(grpo_workdir):
     run = _setup("warmup.minibatch_groups=1")
     ro, old = _old(run)
     assert old is ro.logprobs  # no second forward pass of the policy
-    with fastpaths.plain():
+    with fast.plain():
         ro, old = _old(run)
     assert old is not ro.logprobs
     torch.testing.assert_close(old, ro.logprobs, atol=2e-5, rtol=0)

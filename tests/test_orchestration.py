@@ -28,9 +28,9 @@ def cli(cwd: Path, *args: str, env: dict | None = None, timeout: int = 300) -> s
 # --------------------------------------------------------------------------- the lock (fast)
 
 def test_lock_refuses_a_second_holder_and_clears_a_dead_ones(tmp_path):
-    from pipeline.lock import LOCK_FILE, WorkspaceBusyError, read_holder, workspace_lock
+    from pipeline.core.lock import LOCK_FILE, WorkspaceBusyError, read_holder, workspace_lock
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pipeline.lock import workspace_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pipeline.core.lock import workspace_lock\n"
                                "with workspace_lock('stage sft'):\n    print('held', flush=True); time.sleep(60)"],
                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, text=True)
     try:
@@ -54,9 +54,9 @@ def test_a_lock_that_cannot_be_written_leaves_no_lock(tmp_path):
     an empty one, is left behind to block the next run."""
     import resource
 
-    from pipeline.lock import LOCK_FILE, workspace_lock
+    from pipeline.core.lock import LOCK_FILE, workspace_lock
 
-    res = subprocess.run([sys.executable, "-c", "from pipeline.lock import workspace_lock\n"
+    res = subprocess.run([sys.executable, "-c", "from pipeline.core.lock import workspace_lock\n"
                           "with workspace_lock('stage sft'):\n    pass"], cwd=tmp_path, env=ENV,
                          capture_output=True, text=True, check=False, timeout=60,
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
@@ -73,7 +73,7 @@ def test_second_concurrent_stage_exits_2_with_one_line_naming_the_first(tmp_path
                              cwd=repo, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while not (repo / ".pipeline.lock").exists():
+        while not (repo / ".pipeline.core.lock").exists():
             assert first.poll() is None and time.monotonic() < deadline, "the first run never took the lock"
             time.sleep(0.2)
         second = cli(repo, "pipeline", "prepare")
@@ -138,7 +138,7 @@ def test_stage_metrics_are_namespaced_by_stage():
 
 def test_overrides_keep_comments_and_name_a_missing_key(tmp_path):
     from flows.experiment import apply_overrides
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     params = tmp_path / "params.yaml"
     params.write_text("# header\ngrpo:\n  # the KL weight\n  kl_coef: 0.04\n  lr: 1.0e-05  # step size\n")
@@ -159,7 +159,7 @@ def test_configs_hold_every_key_so_dvc_exp_run_can_set_any(path):
 
 def test_params_file_other_than_params_yaml_becomes_overrides(tmp_path, monkeypatch):
     from flows.grpo_pipeline import effective_overrides
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
 
     monkeypatch.chdir(REPO)
     over = effective_overrides(str(REPO / "configs" / "smoke.yaml"), ["grpo.kl_coef=0.02"])
@@ -182,7 +182,7 @@ def test_bad_cron_is_one_line_exit_2():
 # --------------------------------------------------------------------------- DVC decides (fast helpers)
 
 def test_task_reads_dvc_report_and_maps_stage_errors():
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
     from pipeline.tracking import TrackingUnavailableError
     from tasks.stages import StageFailed, failure, stage_status
 
@@ -270,10 +270,10 @@ def test_make_run_with_a_local_gsm8k_changes_no_tracked_file(tmp_path):
 
 
 def test_flow_cli_in_a_busy_workspace_is_one_line_exit_2(tmp_path):
-    from pipeline.lock import workspace_lock
+    from pipeline.core.lock import workspace_lock
 
     repo = copy_repo(tmp_path / "repo", git=False)
-    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom pipeline.lock import workspace_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom pipeline.core.lock import workspace_lock\n"
                                "with workspace_lock('flow run nightly'):\n    print('held', flush=True); time.sleep(60)"],
                               cwd=repo, env=ENV, stdout=subprocess.PIPE, text=True)
     try:

@@ -1,4 +1,4 @@
-"""Pre-packed linear layers for the CPU decode loop (pipeline/model/packed.py: oneDNN, else MKL)."""
+"""Pre-packed linear layers for the CPU decode loop (pipeline/model/fast/packed.py: oneDNN, else MKL)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.model import packed
-from pipeline.model.packed import packed_linears
-from pipeline.rollout import rollout_prompts
+from pipeline.model.fast import packed
+from pipeline.model.fast.packed import packed_linears
+from pipeline.rl.rollout import rollout_prompts
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch build has no packed linear ops")
 
@@ -94,9 +94,9 @@ def test_rollout_with_and_without_packing(any_policy, monkeypatch):
         calls.append((rows, enabled))
         return real(module, rows, enabled)
 
-    monkeypatch.setattr("pipeline.rollout.packed_linears", spy)
+    monkeypatch.setattr("pipeline.rl.rollout.packed_linears", spy)
     on = rollout_prompts(any_policy, prompts, 4, 12, greedy=True)
-    monkeypatch.setattr("pipeline.rollout.packed_linears", lambda m, r, enabled=True: real(m, r, False))
+    monkeypatch.setattr("pipeline.rl.rollout.packed_linears", lambda m, r, enabled=True: real(m, r, False))
     off = rollout_prompts(any_policy, prompts, 4, 12, greedy=True)
     assert calls == [(12, True)]  # 3 prompts x G 4 rows, enabled on a CPU fp32 policy
     assert torch.equal(on.input_ids, off.input_ids)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.rollout import left_pad, rollout_prompts, sample_next
+from pipeline.rl.rollout import left_pad, rollout_prompts, sample_next
 from tests.conftest import ROLLOUT_PROMPTS as PROMPTS
 from tests.conftest import seeded as gen
 
@@ -215,7 +215,7 @@ def test_samples_lie_in_top_k_and_nucleus(seed, top_k, top_p):
 def test_blocked_cdf_sampling_never_draws_a_zero_weight_token(seed, vocab, keep):
     """The two-level (64-column blocks) inverse CDF: whatever the vocabulary size (padded blocks
     included) and however sparse the weights, every draw is a token of positive weight."""
-    from pipeline.rollout import _inverse_cdf_sample
+    from pipeline.rl.rollout import _inverse_cdf_sample
 
     g = torch.Generator().manual_seed(seed)
     w = torch.rand(64, vocab, generator=g) ** 8  # wide dynamic range
@@ -230,7 +230,7 @@ def test_blocked_cdf_sampling_with_uniforms_exactly_on_boundaries(monkeypatch):
     """Uniforms that land exactly on a cumulative boundary (0, or the mass of the blocks before)
     must skip the zero-weight columns and blocks there: both searches look for the first CDF value
     strictly above the uniform."""
-    from pipeline.rollout import _inverse_cdf_sample
+    from pipeline.rl.rollout import _inverse_cdf_sample
 
     w = torch.zeros(3, 150)
     w[:2, 1] = w[:2, 5] = 0.25  # block 0 holds half the mass; column 64 (block 1's first) is empty

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.rollout import left_pad, rollout_prompts
+from pipeline.rl.rollout import left_pad, rollout_prompts
 from tests.conftest import ROLLOUT_PROMPTS as PROMPTS
 from tests.conftest import seeded as gen
 
@@ -49,7 +49,7 @@ def _stops_for_varied_lengths(policy, prompts: list[str], n: int) -> list[int]:
 
 
 def _greedy_with_and_without_compaction(policy, monkeypatch, make_decoder):
-    import pipeline.rollout as ro
+    import pipeline.rl.rollout as ro
 
     prompts = PROMPTS + [p + " x" for p in PROMPTS] + [f"Question: {a} + {b}?" for a, b in ((5, 5), (12, 7), (3, 40))]
     with torch.no_grad():  # a random init's greedy rows repeat one token; scaled up, each row wanders
@@ -160,7 +160,7 @@ def test_sampled_rollouts_drop_finished_groups_with_the_same_bits(any_policy, G,
     end (the warmup trains on those log-probs as its old policy). One exception, at two threads: the
     GPT's per-row cache (one row per prompt) attends through torch's SDPA, whose CPU kernel splits
     its work by the batch size, so there the log-probs agree to rounding."""
-    import pipeline.rollout as ro
+    import pipeline.rl.rollout as ro
 
     policy = any_policy
     n_prompts = 36 // G  # 36 rows: room for several cuts above COMPACT_MIN_ROWS
@@ -198,8 +198,8 @@ def test_a_rows_matmul_does_not_depend_on_the_row_count_from_the_cut_minimum(thr
     """What the same bits rest on: from COMPACT_MIN_ROWS rows up, a row's product with a weight is
     the same bits whatever the other rows (MKL packed for that count, or plain; oneDNN's one packed
     copy at any count), on this CPU's kernels."""
-    from pipeline.model import packed
-    from pipeline.rollout import COMPACT_MIN_ROWS
+    from pipeline.model.fast import packed
+    from pipeline.rl.rollout import COMPACT_MIN_ROWS
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -251,15 +251,15 @@ def test_a_cut_keeps_whole_groups_only(gpt_policy):
 def test_the_plain_sampler_keeps_every_row(gpt_policy, monkeypatch):
     """Without the fast paths (torch.multinomial: draws that depend on the rows present) no row
     leaves a sampled rollout."""
-    import pipeline.rollout as ro
-    from pipeline.model import fastpaths
+    import pipeline.rl.rollout as ro
+    from pipeline.model import fast
 
     kept: list[int] = []
     base = gpt_policy.decoder
     monkeypatch.setattr(gpt_policy, "decoder", lambda n: _SelectSpy(base(n), kept))
     monkeypatch.setattr(ro, "COMPACT_EVERY", 1)
     stops = list(range(0, gpt_policy.tokenizer.vocab_size, 3))
-    with fastpaths.plain():
+    with fast.plain():
         rollout_prompts(gpt_policy, PROMPTS, 2, 12, generator=gen(0), stop_ids=stops)
         with pytest.raises(ValueError, match="fast-path sampler"):
             ro._draw(torch.ones(2, 5), gen(0), torch.tensor([0, 1]), 3)
@@ -268,7 +268,7 @@ def test_the_plain_sampler_keeps_every_row(gpt_policy, monkeypatch):
 
 def test_subset_draws_take_their_rows_uniforms():
     """Row i of a subset gets uniform rows[i] of the whole batch: the same draw as in the full batch."""
-    from pipeline.rollout import _inverse_cdf_sample
+    from pipeline.rl.rollout import _inverse_cdf_sample
 
     w = torch.rand(7, 300, generator=gen(2)) ** 4
     full = _inverse_cdf_sample(w, gen(5))

@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import sft_batches
-from pipeline.config_loading import load_config
-from pipeline.errors import InputError
+from pipeline.core.config_loading import load_config
+from pipeline.core.errors import InputError
+from pipeline.data import sft_batches
 from pipeline.stages import sft
-from pipeline.training import build_optimizer, lr_at, param_groups
+from pipeline.train.optim import build_optimizer, lr_at, param_groups
 
 from tests.conftest import GSM8K, REPO
 
@@ -99,12 +99,12 @@ def _batch(V: int, prefix: int, lengths: list[tuple[int, int]], seed: int = 0) -
 
 
 def _loss_and_grads(policy, chunks: list[list[sft.Example]], plain: bool) -> tuple[float, list[torch.Tensor]]:
-    from pipeline.model import fastpaths
+    from pipeline.model import fast
 
     policy.module.zero_grad(set_to_none=True)
     total = 0.0
     for chunk in chunks:
-        with fastpaths.plain() if plain else contextlib.nullcontext():
+        with fast.plain() if plain else contextlib.nullcontext():
             nll, _ = sft.response_nll(policy, *sft_batches.collate(chunk, 0, policy.device))
         nll.backward()
         total += float(nll.detach())
@@ -228,7 +228,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def test_sft_loss_decreases_and_is_deterministic(workdir):
-    from pipeline.checkpoint import load_extra_state, load_policy
+    from pipeline.train.checkpoint import load_extra_state, load_policy
 
     out = sft.run_sft(smoke_config())
     rows = read_csv(Path("plots/sft.csv"))
@@ -302,7 +302,7 @@ def test_killed_sft_resumes_bit_identically(workdir, monkeypatch, caplog):
 
 
 def test_non_finite_steps_are_skipped_counted_then_stop(workdir, monkeypatch):
-    from pipeline.errors import TrainingDivergedError
+    from pipeline.core.errors import TrainingDivergedError
 
     real = sft.response_nll
     calls = {"n": 0}
@@ -324,7 +324,7 @@ def test_non_finite_steps_are_skipped_counted_then_stop(workdir, monkeypatch):
 
 
 def test_skip_path_copies_an_init_checkpoint(workdir):
-    from pipeline.checkpoint import load_extra_state, load_policy
+    from pipeline.train.checkpoint import load_extra_state, load_policy
 
     sft.run_sft(smoke_config("sft.steps=2", "sft.eval_samples=0"))
     shutil.move("checkpoints/sft", "base")
@@ -339,7 +339,7 @@ def test_skip_path_copies_an_init_checkpoint(workdir):
 
 
 def test_skip_path_saves_an_hf_model(workdir, hf_dirs):
-    from pipeline.checkpoint import load_policy
+    from pipeline.train.checkpoint import load_policy
 
     out = sft.run_sft(smoke_config("model.backend=hf", f"model.init={hf_dirs['gpt2']}"))
     assert out["skipped"]

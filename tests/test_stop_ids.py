@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.checkpoint import load_policy, save_policy
-from pipeline.model import fastpaths
+from pipeline.model import fast
 from pipeline.model.hf import HFDecoder
 from pipeline.model.policy import Policy, _Autocasting, build_policy
-from pipeline.rollout import rollout_prompts
+from pipeline.rl.rollout import rollout_prompts
+from pipeline.train.checkpoint import load_policy, save_policy
 from tests.conftest import tiny_model_config
 
 PROMPTS = ["2+3=", "a longer prompt 17*4=", "x"]
@@ -110,7 +110,7 @@ def test_every_decode_path_stops_at_the_same_token(hf_dirs, monkeypatch):
             out[name] = rollout_prompts(policy, PROMPTS, group_size=2, max_new_tokens=10, greedy=greedy, generator=g)
         monkeypatch.undo()
         if greedy:
-            with fastpaths.plain():
+            with fast.plain():
                 out["plain"] = ro = rollout_prompts(policy, PROMPTS, group_size=2, max_new_tokens=10, greedy=True)
             for row, n, cut in zip(rows, ro.response_lengths[::2].tolist(), ro.truncated[::2].tolist()):
                 at = next((k for k, t in enumerate(row) if t in stops), None)

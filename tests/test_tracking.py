@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import Config, TrackingConfig
+from pipeline.core.config import Config, TrackingConfig
 from pipeline.tracking import (NullLogger, TrackingUnavailableError, end_pipeline_run, stage_logger,
                                start_pipeline_run, temporary_env)
 from pipeline.tracking.compare import compare_text as compare_runs
@@ -351,9 +351,9 @@ def test_a_checkpoint_is_an_mlflow_model_that_loads_and_generates(store, tmp_pat
     import mlflow.pyfunc
     from mlflow.tracking import MlflowClient
 
-    from pipeline.checkpoint import save_policy
-    from pipeline.generation import generate
+    from pipeline.rl.generation import generate
     from pipeline.tracking.mlflow_models import MODEL_ID_TAG, _log_model, _register_uploaded, checkpoint_sha256
+    from pipeline.train.checkpoint import save_policy
 
     folder = tmp_path / "checkpoints" / "grpo"
     save_policy(folder, gpt_policy)

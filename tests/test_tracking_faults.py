@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from pipeline.config import Config, TrackingConfig
+from pipeline.core.config import Config, TrackingConfig
 from pipeline.tracking import TrackingUnavailableError, stage_logger
 from pipeline.tracking.mlflow_client import check_uri
 from pipeline.tracking.mlflow_logger import MlflowLogger

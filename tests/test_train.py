@@ -148,7 +148,7 @@ def test_all_wrong_groups_give_zero_policy_gradient(workdir, monkeypatch):
 
 
 def test_forced_nan_is_skipped_and_counted_then_stops(workdir, monkeypatch):
-    from pipeline.errors import TrainingDivergedError
+    from pipeline.core.errors import TrainingDivergedError
     from pipeline.stages import grpo
 
     real = grpo.grpo_loss
@@ -368,7 +368,7 @@ def test_ranks_draw_in_step_and_never_share_a_prompt(n, world, seed, rounds):
     """Dynamic sampling: ranks top up different numbers of groups per round. Each rank's cursor
     must stay at the same position as the others' (else later iterations overlap) and no two ranks
     may get the same prompt in a round (within one epoch of the permutation)."""
-    from pipeline.group_sampling import next_prompts, next_shard
+    from pipeline.rl.group_sampling import next_prompts, next_shard
 
     cursors = [(0, 0)] * world
     plain = (0, 0)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ConfigError
-from pipeline.config_loading import load_config
-from pipeline.errors import InputError
+from pipeline.core.config import ConfigError
+from pipeline.core.config_loading import load_config
+from pipeline.core.errors import InputError
 from pipeline.rewards import verifiers
 from pipeline.rewards.verifiers import load_verifier, rewards_by_source, score
 
@@ -60,7 +60,7 @@ def test_user_verifier_replaces_the_builtin_for_every_source(user_module):
 
 
 def test_evaluation_counts_a_user_score_of_one_as_correct(user_module):
-    from pipeline.evaluation import score_completion
+    from pipeline.rl.evaluation import score_completion
 
     v = load_verifier(f"{user_module}:exact", "evaluate.reward")
     assert score_completion("Paris", "Paris", "gsm8k", v)["correct"] is True
@@ -75,7 +75,7 @@ def test_evaluation_counts_a_user_score_of_one_as_correct(user_module):
     ("{mod}:not_a_function", "defines no top-level `def not_a_function(completion, gold)`"),
     ("{mod}:one_argument", "defines no top-level `def one_argument(completion, gold)`"),
     ("os:system", "outside pipeline/rewards/"),
-    ("pipeline.utils:set_seed", "outside pipeline/rewards/"),
+    ("pipeline.rl.masked:set_seed", "outside pipeline/rewards/"),
 ])
 def test_bad_specs_name_the_key(user_module, spec, message):
     with pytest.raises(InputError, match=re.escape(message)) as exc:

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import pipeline.model.packed as packed_module
+import pipeline.model.fast.packed as packed_module
 from bench.onednn import mkl_packed, onednn_linear_available, onednn_linears
-from pipeline.model.packed import MKLWeight, OneDNNWeight, mkl_available
+from pipeline.model.fast.packed import MKLWeight, OneDNNWeight, mkl_available
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="no oneDNN linear in this torch build")
 

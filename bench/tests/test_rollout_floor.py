@@ -9,8 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.rollout import build, on_mkl, weight_matmuls_only
-from pipeline.model.packed import mkl_available
-from pipeline.rollout import rollout_prompts
+from pipeline.model.fast.packed import mkl_available
+from pipeline.rl.rollout import rollout_prompts
 
 
 class _LinearFlops(TorchDispatchMode):
@@ -71,7 +71,7 @@ def test_the_floor_does_the_rollouts_weight_matmuls_and_nothing_else():
 def test_step_breakdown_splits_the_fused_steps_time_and_puts_everything_back():
     """`step_breakdown`: the weight matmuls, the attention and the rest of each decode step add up to
     the step; the timers are removed afterwards (the same functions and the policy's own decoder)."""
-    import pipeline.model.fused_decode as fused_decode
+    import pipeline.model.fast.fused_decode as fused_decode
     from bench.rollout import step_breakdown
 
     torch.set_num_threads(1)

@@ -82,7 +82,7 @@ def test_fresh_rows_stop_when_a_level_runs_out():
 
 def checkpoint_folder(folder, key, weights=b"weights"):
     """A resumable-checkpoint look-alike, written whole under a temporary name and renamed, as they are."""
-    from pipeline.checkpoint_manifest import TRAIN_JSON
+    from pipeline.train.manifest import TRAIN_JSON
 
     tmp = folder.with_name(folder.name + ".writing")
     tmp.mkdir(parents=True)
@@ -197,9 +197,9 @@ def gpt_policy():
     import torch
     import torch.nn.functional as F
 
-    from pipeline.config import ModelConfig
+    from pipeline.core.config import ModelConfig
+    from pipeline.data.tokenizer import train_tokenizer
     from pipeline.model.policy import build_policy
-    from pipeline.tokenizer import train_tokenizer
 
     rng = random.Random(0)
     texts = [f"Question: What is {a} + {b}?\nAnswer: <answer>{a + b}</answer>"
@@ -222,9 +222,9 @@ def gpt_policy():
 
 
 def test_greedy_rows_are_the_stage_check_row_by_row(gpt_policy):
-    """Per row, in order, what the SFT stage's own held-out check counts (pipeline.generation.greedy_correct):
+    """Per row, in order, what the SFT stage's own held-out check counts (pipeline.rl.generation.greedy_correct):
     golds are set from the policy's own greedy answers on even rows and to an unreachable value on odd ones."""
-    from pipeline.generation import EVAL_BATCH, generate, greedy_correct, greedy_correct_rows
+    from pipeline.rl.generation import EVAL_BATCH, generate, greedy_correct, greedy_correct_rows
 
     rng, policy = random.Random(3), gpt_policy.eval()
     rows = [to_row(sample_problem(1, rng), f"r{i}", rng, "Question: {question}\nAnswer:")
@@ -243,7 +243,7 @@ def test_greedy_rows_are_the_stage_check_row_by_row(gpt_policy):
 def test_budget_is_the_sft_checks_own(tmp_path, monkeypatch):
     """The held-out check's generation budget (pipeline.stages.sft.check_budget) is what the stage uses, and a
     small context caps it."""
-    from pipeline.config_loading import load_config
+    from pipeline.core.config_loading import load_config
     from pipeline.stages import sft
     from pipeline.stages.prepare import run_prepare
     from pipeline.stages.sft import check_budget as budget

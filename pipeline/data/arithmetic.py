@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.core.errors import InputError
 from pipeline.data.prompts import format_answer, format_prompt
-from pipeline.errors import InputError
 
 MAX_LEVEL = 5
 PHRASINGS = ("What is {e}?", "Compute {e}.", "Calculate {e}.", "Find the value of {e}.")

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from pipeline.core.errors import InputError
+from pipeline.core.files import json_problem, text_lines
 from pipeline.data.prompts import format_answer, format_prompt
-from pipeline.errors import InputError
-from pipeline.files import json_problem, text_lines
 
 SPLITS = ("train", "test")
 _NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")

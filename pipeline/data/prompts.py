@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from pipeline.config import DEFAULT_TEMPLATE
-from pipeline.tokenizer import ANSWER_CLOSE, ANSWER_OPEN
+from pipeline.core.config import DEFAULT_TEMPLATE
+from pipeline.data.tokenizer import ANSWER_CLOSE, ANSWER_OPEN
 
 
 def format_prompt(question: str, template: str = DEFAULT_TEMPLATE) -> str:

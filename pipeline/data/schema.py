@@ -7,10 +7,13 @@ naming `file:line` instead of failing later inside training or scoring.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
+from pipeline.core.files import json_problem, text_lines
 from pipeline.rewards.verifiers import REWARDS
 
 
@@ -39,3 +42,28 @@ def _problem(row: dict[str, Any]) -> str:
     if not isinstance(row.get("id"), str):
         return "missing or non-text 'id'"
     return ""
+
+
+def read_rows(path: str | Path, limit: int = 0) -> list[dict[str, Any]]:
+    """The first `limit` rows (0 = all) of a prepared JSONL file, in file order; blank lines skipped.
+
+    A missing file, a line that is not a JSON object, or a row without the processed schema
+    (`pipeline.data.schema`: a finite `gold`, a known `source`, text fields) raises
+    :class:`InputError` naming the file and line and the stage that writes it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: not found (run the 'prepare' stage first)")
+    rows: list[dict[str, Any]] = []
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as exc:  # ValueError: also an integer of over 4,300 digits
+            raise InputError(f"{path}:{lineno}: invalid JSON ({json_problem(exc)}); "
+                             "re-run the 'prepare' stage") from None
+        rows.append(check_prepared_row(row, f"{path}:{lineno}"))
+        if limit and len(rows) >= limit:
+            break
+    return rows

@@ -29,9 +29,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.config import ModelConfig
-from pipeline.model import fastpaths, fused_decode
+from pipeline.core.config import ModelConfig
+from pipeline.model import fast
 from pipeline.model.attention import grouped_prefix_attention, positions_from_mask, whole_groups
+from pipeline.model.fast import fused_decode
 
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "positions", "dropout")
@@ -39,7 +40,7 @@ SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "positions", "dropo
 
 @dataclass
 class GPTConfig:
-    """The GPT's shape. The fields in `SHAPE_FIELDS` are :class:`pipeline.config.ModelConfig`'s of the
+    """The GPT's shape. The fields in `SHAPE_FIELDS` are :class:`pipeline.core.config.ModelConfig`'s of the
     same names (documented there, with its defaults); the rest is fixed by the tokenizer and the
     architecture."""
 
@@ -392,7 +393,7 @@ class GPTDecoder:
         """Prompts (B, T) once; the `repeats` rows of a group then share that prompt's cache (read,
         not copied: see :func:`grouped_prefix_attention`); last logits (B*r, V)."""
         B, T = input_ids.shape
-        if repeats == 1 or not fastpaths.enabled():  # plain: every row gets its own copy of the prompt's keys
+        if repeats == 1 or not fast.enabled():  # plain: every row gets its own copy of the prompt's keys
             cache = self.model.new_cache(B, self.max_len, self.dtype)
             logits = self.model(input_ids, attention_mask, position_ids, cache=cache, last_only=True)[:, -1]
             self.cache = cache if repeats == 1 else cache.repeat_interleave(repeats)

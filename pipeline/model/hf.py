@@ -14,85 +14,16 @@ GPT-2 and Qwen2: the prompts' keys are shared by their group, see :class:`HFDeco
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from pipeline.model import fastpaths, fused_decode
+from pipeline.data.tokenizer import HFTokenizer, load_hf_tokenizer
+from pipeline.model import fast
 from pipeline.model.attention import grouped_prefix_attention, positions_from_mask, whole_cache_key_bias, whole_groups
+from pipeline.model.fast import fused_decode
 from pipeline.model.hf_mask import self_attending_mask
-
-
-class HFTokenizer:
-    """The pipeline tokenizer interface over a transformers tokenizer."""
-
-    def __init__(self, tok) -> None:
-        self.hf = tok
-        if tok.eos_token_id is None:
-            raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', '')!r} has no eos token")
-        self.eos_id = int(tok.eos_token_id)
-        self.eos_ids = [self.eos_id]  # with a model's end-of-turn ids (add_eos_ids): what ends a completion
-        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
-        self.vocab_size = len(tok)
-
-    def add_eos_ids(self, ids: Iterable[int]) -> None:
-        """Also end a completion at `ids` (a model's generation_config eos ids: an instruct model's
-        end-of-turn tokens), and strip them in `decode` like eos."""
-        self.eos_ids += [int(i) for i in ids if int(i) not in self.eos_ids]
-
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if not texts:  # transformers' fast tokenizers fail on an empty batch
-            return []
-        return self.hf(texts, add_special_tokens=False)["input_ids"]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """The text of `ids` without pads and stop tokens (eos, end-of-turn), which end a response
-        but are no part of its text."""
-        drop = {self.pad_id, *self.eos_ids}
-        return self.hf.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
-
-    def chat_prompt(self, user: str, system: str = "", examples: Iterable[tuple[str, str]] = ()) -> str:
-        """`user` as the user turn (after a `system` turn if given, and after `examples`, earlier
-        (user, assistant) turns of a few-shot prompt), rendered with the tokenizer's chat template
-        with the assistant turn opened: the text the model continues."""
-        if not getattr(self.hf, "chat_template", None):
-            raise ValueError(f"tokenizer {getattr(self.hf, 'name_or_path', '')!r} has no chat template")
-        messages = [{"role": "system", "content": system}] if system else []
-        for question, answer in examples:
-            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        messages.append({"role": "user", "content": user})
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def token_id(self, token: str) -> int | None:
-        """Id of `token` if it is a single token of the vocabulary, else None."""
-        i = self.hf.convert_tokens_to_ids(token)
-        if i is None or (self.hf.unk_token_id is not None and i == self.hf.unk_token_id):
-            return None
-        return int(i)
-
-    def save(self, folder: str | Path) -> Path:
-        folder = Path(folder)
-        self.hf.save_pretrained(folder)
-        return folder
-
-    def to_str(self) -> str | None:
-        backend = getattr(self.hf, "backend_tokenizer", None)
-        return backend.to_str() if backend is not None else None
-
-
-def load_hf_tokenizer(init: str | Path) -> HFTokenizer:
-    """The tokenizer of a local folder or hub id (pad = eos where it has no pad token)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(init))
-    if tok.pad_token_id is None:  # many causal LMs ship without a pad token
-        tok.pad_token = tok.eos_token
-    return HFTokenizer(tok)
 
 
 def load_hf(init: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, HFTokenizer]:
@@ -123,7 +54,7 @@ class _TanhGELU(nn.Module):
     The formula dispatches eight elementwise ops forward (nine for ``gelu_fast``) and about twice
     that backward, each a full-size temporary that autograd keeps: on CPU 2-5x the time of the one
     op, more at the update's larger (tokens x 4C) shapes. The two differ by float rounding (an
-    absolute difference of about 2e-7 in fp32); with the fast paths off (``fastpaths.plain()``)
+    absolute difference of about 2e-7 in fp32); with the fast paths off (``fast.plain()``)
     the original module runs."""
 
     def __init__(self, plain: nn.Module) -> None:
@@ -131,7 +62,7 @@ class _TanhGELU(nn.Module):
         self.plain = plain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fastpaths.enabled():
+        if fast.enabled():
             return nn.functional.gelu(x, approximate="tanh")
         return self.plain(x)
 
@@ -283,7 +214,7 @@ class HFDecoder:
     keys/values, and attends to exactly the positions written so far. No per-step mask is built
     (the prompt mask is a fixed (B, 1, 1, Tp) bias), and the G copies of a prompt's keys are
     never made. Llama and Qwen2 (plain linear layers) then decode through
-    :class:`pipeline.model.fused_decode.FusedLlamaStep` (`fused`; None: where supported, with the
+    :class:`pipeline.model.fast.fused_decode.FusedLlamaStep` (`fused`; None: where supported, with the
     fast paths on): fused q/k/v and gate/up matmuls and no module dispatch.
 
     Other models: a ``StaticCache`` where supported (``_can_compile_fullgraph``: keys/values
@@ -301,11 +232,11 @@ class HFDecoder:
         self.max_len = max_len
         cfg = model.config
         if shared_prefix is None:
-            shared_prefix = (fastpaths.enabled() and getattr(cfg, "model_type", None) in _SHARED_PREFIX_TYPES
+            shared_prefix = (fast.enabled() and getattr(cfg, "model_type", None) in _SHARED_PREFIX_TYPES
                              and not getattr(cfg, "sub_configs", None)
                              and not getattr(cfg, "add_cross_attention", False))
         self.shared = shared_prefix
-        self.static = (fastpaths.enabled() and not self.shared
+        self.static = (fast.enabled() and not self.shared
                        and bool(getattr(model, "_can_compile_fullgraph", False)))
         if self.static:
             self.cache = StaticCache(config=cfg, max_cache_len=max_len)
@@ -316,7 +247,7 @@ class HFDecoder:
         self.key_bias: torch.Tensor | None = None  # a module step over the whole response cache: see _shared_step
         self.length = 0
         if fused is None:
-            fused = fastpaths.enabled() and fused_decode.supported(model)
+            fused = fast.enabled() and fused_decode.supported(model)
         self.use_fused = fused and self.shared  # decode steps through fused_decode (Llama, Qwen2)
         self.fused: fused_decode.FusedLlamaStep | None = None
 

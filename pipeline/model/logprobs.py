@@ -1,7 +1,7 @@
 """log p(target) from logits, for the GRPO log-prob passes and SFT-style scoring.
 
 ``token_logprobs(logits, target)`` is ``log_softmax(logits)[target]``; on the fast path
-(:mod:`pipeline.model.fastpaths`) it is ``logits[target] - logsumexp(logits)`` with one fused
+(:mod:`pipeline.model.fast`) it is ``logits[target] - logsumexp(logits)`` with one fused
 backward. ``gather_logprobs`` lays the result out as the (N, T) per-token tensor of a rollout.
 
 Memory: the logits stay in the dtype the model made them in (bf16 under autocast) and are
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from pipeline.model import fastpaths
+from pipeline.model import fast
 
 
 CHUNK_ELEMENTS = 1 << 25  # fp32 values cast at a time (128 MB): ~220 positions of a 152k vocabulary
@@ -74,7 +74,7 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: floa
                    chunk_elements: int | None = None) -> torch.Tensor:
     """log p(target) under logits (..., V) / temperature -> (...) fp32; differentiable (under
     no_grad / inference_mode no graph is recorded and nothing is kept)."""
-    if not fastpaths.enabled():
+    if not fast.enabled():
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))
         x = x / temperature if temperature != 1.0 else x
         return x.log_softmax(-1).gather(-1, target[..., None]).squeeze(-1)

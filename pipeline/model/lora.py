@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pipeline.config import ModelConfig
+from pipeline.core.config import ModelConfig
 
 
 def _peft():

@@ -19,7 +19,7 @@ What differs per backend sits in one small ops class each (``GPTOps`` in ``pipel
 
 Weights are ``param_dtype`` (fp32 by default, stepped in place by AdamW; bf16 halves the weights and
 the reference, while the optimizer keeps fp32 masters and moments of them:
-``pipeline.training.MasterAdamW``); ``dtype`` picks the autocast dtype: ``auto`` is bf16 on CUDA and
+``pipeline.train.optim.MasterAdamW``); ``dtype`` picks the autocast dtype: ``auto`` is bf16 on CUDA and
 fp32 on CPU.
 ``gradient_checkpointing`` (hf) recomputes each layer in backward; the shared-prompt log-prob path,
 whose cache a recomputation cannot replay, then gives way to the plain one under grad.
@@ -34,12 +34,12 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from pipeline.config import ModelConfig
-from pipeline.model import fastpaths
+from pipeline.core.config import ModelConfig
+from pipeline.data.tokenizer import ANSWER_CLOSE
+from pipeline.model import fast
 from pipeline.model.attention import positions_from_mask
 from pipeline.model.gpt import GPT, GPTConfig, GPTOps
 from pipeline.model.logprobs import gather_logprobs
-from pipeline.tokenizer import ANSWER_CLOSE
 
 
 COMPILE_BUCKET = 64  # widths a compiled forward sees are multiples of this
@@ -148,7 +148,7 @@ class Policy:
         """
         T = input_ids.shape[1]
         start = max(1, min(start, T))
-        if not (fastpaths.enabled() and self._shares_prompt(input_ids, attention_mask, start, group_size)):
+        if not (fast.enabled() and self._shares_prompt(input_ids, attention_mask, start, group_size)):
             logits = self.logits(input_ids, attention_mask, logits_from=start - 1)[:, :-1]  # (N, T-start, V)
         else:
             with self.autocast():
@@ -250,7 +250,7 @@ def build_policy(model_cfg: ModelConfig, tokenizer=None, device: str | torch.dev
     """A fresh policy from the config.
 
     `gpt`: a randomly initialised GPT sized by the config and `tokenizer.vocab_size` (to start from
-    a saved checkpoint use :func:`pipeline.checkpoint.init_policy`). `hf`: the model and tokenizer
+    a saved checkpoint use :func:`pipeline.train.checkpoint.init_policy`). `hf`: the model and tokenizer
     of `model_cfg.init` (a folder or hub id); `tokenizer` is ignored.
     """
     if model_cfg.backend == "gpt":

@@ -43,7 +43,7 @@ from pathlib import Path
 from fractions import Fraction
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
 from pipeline.rewards.parsing import (ANSWER_CLOSE, ANSWER_OPEN, answer_block, exact_number, extract_exact,
                                       is_single_number)

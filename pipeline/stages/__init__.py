@@ -1,7 +1,7 @@
 """One function per stage, `run_<stage>(cfg) -> dict`, called by the CLI (which DVC runs).
 
 The returned dict is small and JSON-serialisable: output paths and headline figures. The stage
-list (`STAGES`, in pipeline order) is :data:`pipeline.config.STAGES`; this registry maps each to
+list (`STAGES`, in pipeline order) is :data:`pipeline.core.config.STAGES`; this registry maps each to
 its function and must name exactly those.
 """
 
@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.config import STAGES, Config
+from pipeline.core.config import STAGES, Config
 
 # stage name -> (module, function, leading arguments after cfg); imported lazily so `--help` stays fast
 _REGISTRY: dict[str, tuple[str, str, tuple[Any, ...]]] = {
@@ -52,7 +52,7 @@ def stage_function(name: str) -> Callable[[Config], dict[str, Any]]:
 
     @functools.wraps(run)
     def with_runtime(cfg: Config) -> dict[str, Any]:
-        from pipeline.lock import workspace_lock
+        from pipeline.core.lock import workspace_lock
 
         with workspace_lock(f"stage {name}"):  # one run per workspace, whoever started it
             apply_runtime(cfg, name)

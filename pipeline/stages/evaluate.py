@@ -4,7 +4,7 @@ For every stage in ``cfg.evaluate.stages`` (checkpoints/<stage>/) and every task
 are generated in batches of ``evaluate.batch_size`` prompts (KV-cached ``rollout_prompts``) and scored
 with the training verifier. With ``evaluate.samples = k > 0``, k seeded samples per problem of
 each task in ``evaluate.sample_tasks`` (default: the arithmetic set only) add pass@1 (mean sample
-accuracy), pass@k and maj@k (see ``pipeline.evaluation``). Outputs, all written atomically:
+accuracy), pass@k and maj@k (see ``pipeline.rl.evaluation``). Outputs, all written atomically:
 
 - ``metrics/eval.json``: ``{stage: {metric: value}}``, fixed key order, floats to 4 decimals;
 - ``reports/predictions_<stage>_<task>.csv``: one row per problem, for error analysis;
@@ -28,13 +28,14 @@ from typing import Any
 
 import torch
 
-from pipeline import evaluation as ev
-from pipeline import files
-from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
-from pipeline.errors import InputError
-from pipeline.generation import generate, row_budgets
-from pipeline.progress import as_text, progress_bar
+from pipeline.core import files
+from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
+from pipeline.core.errors import InputError
+from pipeline.core.progress import as_text, progress_bar
+from pipeline.data.schema import read_rows
 from pipeline.rewards.verifiers import load_verifier
+from pipeline.rl import evaluation as ev
+from pipeline.rl.generation import generate, row_budgets
 from pipeline.tracking import stage_logger
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,9 @@ SAMPLE_TABLE_ROWS = 5  # per stage and task, in the tracker's table of sample pr
 # --------------------------------------------------------------------------- inputs
 
 def load_rows(path: Path, limit: int = 0) -> list[dict[str, Any]]:
-    """The first `limit` rows (0 = all) of a prepared JSONL (:func:`pipeline.files.read_rows`), with
+    """The first `limit` rows (0 = all) of a prepared JSONL (:func:`pipeline.data.schema.read_rows`), with
     each row's `prompt` and `gold` checked; an empty file is an error (nothing to evaluate)."""
-    rows = files.read_rows(path, limit)
+    rows = read_rows(path, limit)
     for i, row in enumerate(rows, 1):
         try:
             row["prompt"], row["gold"] = str(row["prompt"]), float(row["gold"])
@@ -77,7 +78,7 @@ def entries(e) -> dict[str, tuple[str, bool]]:
 def load_shots(tasks: Sequence[str], n: int) -> dict[str, list[tuple[str, str]]]:
     """The few-shot examples of each task: (question, worked solution) of the first `n` rows of its
     training file, the same for every question (the test rows never appear among them)."""
-    return {task: [(r["question"], r["solution"]) for r in files.read_rows(Path(DATA_DIR) / SHOT_FILES[task], n)]
+    return {task: [(r["question"], r["solution"]) for r in read_rows(Path(DATA_DIR) / SHOT_FILES[task], n)]
             for task in tasks}
 
 
@@ -112,7 +113,7 @@ def checkpoint_folder(stage: str) -> Path:
     Every checkpoint is checked before any generation, so a bad last one fails in seconds, not
     after the first ones have been evaluated.
     """
-    from pipeline.checkpoint_manifest import is_checkpoint, verify
+    from pipeline.train.manifest import is_checkpoint, verify
 
     folder = Path(CHECKPOINT_DIR) / stage
     if not (folder / "config.json").is_file():
@@ -190,7 +191,7 @@ def eval_jobs(cfg: Config, checkpoints: int) -> int:
 def _evaluate_checkpoint(cfg: Config, stage: str, target: tuple[Path, bool], data: dict[str, Any],
                          progress=None) -> tuple[dict[str, float | int], dict[str, list[dict[str, Any]]]]:
     """(raw metrics, {task: prediction rows}) of one checkpoint, with few-shot prompts when `target` says so."""
-    from pipeline.checkpoint import load_policy
+    from pipeline.train.checkpoint import load_policy
 
     e = cfg.evaluate
     folder, fewshot = target

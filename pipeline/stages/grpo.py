@@ -9,7 +9,7 @@ evaluate, adapt the curriculum, log and save. Everything the loop carries betwee
 plain :class:`TrainState`; what stays fixed for the stage (policy, reference, optimizer, data) is a
 :class:`GRPORun`.
 
-Resume: every ``save_every`` iterations :mod:`pipeline.resume` writes the state, policy, optimizer
+Resume: every ``save_every`` iterations :mod:`pipeline.train.resume` writes the state, policy, optimizer
 and RNGs to ``checkpoints/<stage>.resume/``; a re-run after a kill continues from there and ends
 bit-identical (CPU) to an uninterrupted run. Whether a stage needs to run at all is DVC's call.
 
@@ -31,23 +31,24 @@ from typing import Any
 
 import torch
 
-from pipeline import distributed as dist_utils
-from pipeline.checkpoint import check_architecture, load_policy, save_policy
-from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig
-from pipeline.errors import InputError, TrainingDivergedError
-from pipeline.files import read_rows, write_series_csv
-from pipeline.generation import greedy_accuracy
-from pipeline.group_sampling import (Groups, Verifier, count_levels, fitting_rows, level_keep, level_rates, row_levels,
-                                     sample_groups)
-from pipeline.grpo import group_advantages, grpo_loss, informative_fraction, loss_units
-from pipeline.model import fastpaths
+from pipeline.core import distributed as dist_utils
+from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig
+from pipeline.core.errors import InputError, TrainingDivergedError
+from pipeline.core.files import write_series_csv
+from pipeline.core.progress import progress_bar
+from pipeline.data.schema import read_rows
+from pipeline.model import fast
 from pipeline.model.lora import AdaptersOff, add_lora
 from pipeline.model.policy import Policy
-from pipeline.progress import progress_bar
-from pipeline.resume import load_resume, resume_key, save_resume
 from pipeline.rewards.verifiers import rewards_by_source
+from pipeline.rl.generation import greedy_accuracy
+from pipeline.rl.group_sampling import (Groups, Verifier, count_levels, fitting_rows, level_keep, level_rates, row_levels,
+                                     sample_groups)
+from pipeline.rl.loss import group_advantages, grpo_loss, informative_fraction, loss_units
 from pipeline.tracking import Logger, stage_logger
-from pipeline.training import build_optimizer, count_nonfinite, lr_at, set_lr, step_if_finite
+from pipeline.train.checkpoint import check_architecture, load_policy, save_policy
+from pipeline.train.optim import build_optimizer, count_nonfinite, lr_at, set_lr, step_if_finite
+from pipeline.train.resume import load_resume, resume_key, save_resume
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class TrainState:
 
     total_iters: int  # the adaptive curriculum may move it
     iteration: int = 0  # iterations done
-    prompt_epoch: int = 0  # cursor of the seeded prompt order (pipeline.group_sampling)
+    prompt_epoch: int = 0  # cursor of the seeded prompt order (pipeline.rl.group_sampling)
     prompt_pos: int = 0
     nonfinite_run: int = 0  # skipped (non-finite) steps in a row
     skipped: int = 0  # skipped steps in all
@@ -322,11 +323,11 @@ def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, st
 
 def reuses_sampled_logprobs(policy: Policy) -> bool:
     """Whether the rollout's recorded log-probs stand in for a recomputed old pass (a fast path,
-    `pipeline.model.fastpaths`): compute and weights in fp32, where the decode path and the training
+    `pipeline.model.fast`): compute and weights in fp32, where the decode path and the training
     forward agree to ~1e-6 (tests/test_old_logprobs.py). Under bf16 (autocast or bf16 weights) the two
     paths round differently by ~1e-2, enough to move the clipped ratio, so the old pass is recomputed
     with the training forward, as verl and TRL do for their rollout engines."""
-    return (fastpaths.enabled() and policy.autocast_dtype is None
+    return (fast.enabled() and policy.autocast_dtype is None
             and all(p.dtype == torch.float32 for p in policy.module.parameters()))
 
 
@@ -366,7 +367,7 @@ def accumulate_gradients(policy: Policy, conf: GRPOConfig, batch: Batch, rows: s
 def update(policy: Policy, optimizer: torch.optim.Optimizer, conf: GRPOConfig, batch: Batch, state: TrainState,
            stage: str) -> dict[str, float]:
     """`grpo_epochs` passes over minibatches of whole groups (each in micro-batches, one optimizer
-    step per minibatch); non-finite steps are skipped and counted (pipeline.training). Returns the
+    step per minibatch); non-finite steps are skipped and counted (pipeline.train.optim). Returns the
     mean of each loss statistic over the steps taken.
 
     `minibatch_groups` counts groups over all processes: under DDP each of the `world` processes

@@ -18,13 +18,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import DATA_DIR, Config
+from pipeline.core.config import DATA_DIR, Config
+from pipeline.core.errors import InputError
+from pipeline.core.files import replaced_dir, write_bytes_atomic, write_json_atomic
 from pipeline.data.arithmetic import generate_curriculum
 from pipeline.data.gsm8k import BadRow, load_raw, validate_split
 from pipeline.data.prompts import response_text
-from pipeline.errors import InputError
-from pipeline.files import replaced_dir, write_bytes_atomic, write_json_atomic
-from pipeline.tokenizer import TOKENIZER_FILE, train_tokenizer
+from pipeline.data.tokenizer import TOKENIZER_FILE, train_tokenizer
 from pipeline.tracking import stage_logger
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def _stats(d, raw, splits, bad_train: list[BadRow], bad_test: list[BadRow], tok)
 def _tokenizer(cfg: Config, train_rows: list[dict[str, Any]]):
     """The gpt backend's byte-level BPE, trained here; the hf backend's own tokenizer (no BPE trained)."""
     if cfg.model.backend == "hf":
-        from pipeline.model.hf import load_hf_tokenizer
+        from pipeline.data.tokenizer import load_hf_tokenizer
 
         try:
             return load_hf_tokenizer(cfg.model.init)

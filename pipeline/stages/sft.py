@@ -10,7 +10,7 @@ and the rest from GSM8K train (each source in seeded, reshuffled epochs). A sequ
 `prompt ids + response ids + eos`, with prompt and response tokenized separately exactly as a rollout
 sees them (`pipeline.data.prompts.response_text`); sequences longer than `sft.max_len` are dropped.
 The loss is the token-mean cross-entropy over response tokens only (prompt and padding masked).
-AdamW (`pipeline.training.param_groups`), linear warmup then cosine decay to 10% of `sft.lr`,
+AdamW (`pipeline.train.optim.param_groups`), linear warmup then cosine decay to 10% of `sft.lr`,
 global grad-norm clipping.
 
 Every `sft.eval_every` steps and at the end: validation loss on all of `gsm8k_val` and greedy
@@ -20,7 +20,7 @@ verifier's answer matching). Writes `checkpoints/sft/` (atomic, `save_policy`) a
 `sft/arith_accuracy` go to the stage logger.
 
 The loop has GRPO's shape and policies: a plain :class:`SFTState`, resumable every
-`sft.save_every` steps through :mod:`pipeline.resume` (`checkpoints/sft.resume/`; a re-run after a
+`sft.save_every` steps through :mod:`pipeline.train.resume` (`checkpoints/sft.resume/`; a re-run after a
 kill continues bit-identically on CPU), non-finite steps skipped and counted with
 `sft.max_nonfinite` in a row stopping the stage, one progress bar and the `pipeline` logger.
 
@@ -52,23 +52,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeline import distributed as dist_utils
-from pipeline.checkpoint import check_architecture, init_policy, load_policy, save_policy
-from pipeline.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
+from pipeline.core import distributed as dist_utils
+from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
+from pipeline.core.errors import InputError
+from pipeline.core.files import write_series_csv
+from pipeline.core.progress import progress_bar
 from pipeline.data.prompts import response_text
-from pipeline.errors import InputError
-from pipeline.files import read_rows, write_series_csv
-from pipeline.generation import greedy_correct
-from pipeline.model import fastpaths
+from pipeline.data.schema import read_rows
+from pipeline.data.sft_batches import (Example, MixedBatches, collate, encode_examples, length_chunks, rank_share,
+                                  shared_columns, worked_examples)
+from pipeline.data.tokenizer import load_tokenizer
+from pipeline.model import fast
 from pipeline.model.lora import add_lora
 from pipeline.model.policy import Policy, build_policy
-from pipeline.progress import progress_bar
-from pipeline.resume import load_resume, resume_key, save_resume
-from pipeline.sft_batches import (Example, MixedBatches, collate, encode_examples, length_chunks, rank_share,
-                                  shared_columns, worked_examples)
-from pipeline.tokenizer import load_tokenizer
+from pipeline.rl.generation import greedy_correct
 from pipeline.tracking import Logger, stage_logger
-from pipeline.training import build_optimizer, count_nonfinite, lr_at, seed_everything, set_lr, step_if_finite
+from pipeline.train.checkpoint import check_architecture, init_policy, load_policy, save_policy
+from pipeline.train.optim import build_optimizer, count_nonfinite, lr_at, seed_everything, set_lr, step_if_finite
+from pipeline.train.resume import load_resume, resume_key, save_resume
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,12 @@ def response_nll(policy, ids: torch.Tensor, attn: torch.Tensor, target: torch.Te
     """(summed NLL of the response tokens, their count); position t predicts ids[:, t] from ids[:, :t].
 
     Plain: the logits of every position, cross-entropy, the response tokens summed. Fast path
-    (`pipeline.model.fastpaths`): the columns the rows share (the template's text before the question)
+    (`pipeline.model.fast`): the columns the rows share (the template's text before the question)
     run once for the whole batch and every row attends to their keys, and the vocabulary projection
     starts at the first column a response token can follow (`Policy.token_logprobs`); the same sum
     up to float rounding (tests/test_sft.py), at 20-40% less work per step."""
     mask = target[:, 1:].float()  # (B, T-1)
-    if not fastpaths.enabled():
+    if not fast.enabled():
         logits = policy.logits(ids, attn)[:, :-1].float()  # (B, T-1, V)
         nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
         return (nll * mask).sum(), int(mask.sum())
@@ -244,12 +245,12 @@ def run_sft(cfg: Config, stage: str = "sft") -> dict[str, Any]:
 
 def sft_step(run: SFTRun, state: SFTState) -> float:
     """Token-mean response NLL over the whole batch, one forward/backward per run of similar length,
-    then a step unless the loss or gradient is non-finite (skipped and counted, pipeline.training).
+    then a step unless the loss or gradient is non-finite (skipped and counted, pipeline.train.optim).
 
     Under torchrun every rank draws the same batch (the same seeded order), takes its share
     (:func:`rank_share`, cut by length like the whole batch) and normalises by the whole batch's token
     count; the gradients and the loss
-    are then summed over ranks (`pipeline.distributed.sum_gradients`), so every rank steps with the
+    are then summed over ranks (`pipeline.core.distributed.sum_gradients`), so every rank steps with the
     whole batch's gradient: the single-process update up to the order of float sums (tests/test_sft.py)."""
     s, policy, optimizer = run.conf, run.policy, run.optimizer
     parts = run.batches.next()

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.config import Config
+from pipeline.core.config import Config
 from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, RUN_NAME_ENV, TrackingUnavailableError,
                                       git_state, resolve_uri, run_name, temporary_env)
 

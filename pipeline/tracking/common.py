@@ -21,9 +21,9 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
-from pipeline.errors import InputError
-from pipeline.kernels import cpu_fields, cpuinfo, mkl_branch
+from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
+from pipeline.core.errors import InputError
+from pipeline.core.kernels import cpu_fields, cpuinfo, mkl_branch
 
 PARENT_RUN_ENV = "GRPO_PARENT_RUN_ID"
 FLOW_RUN_ENV = "GRPO_PREFECT_FLOW_RUN_ID"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import Config
+from pipeline.core.config import Config
 from pipeline.tracking.mlflow_client import COMMIT_TAG, ROLE_TAG, STAGE_TAG, client_for, experiment_id, tracking_uri
 
 KEY_METRIC_WORDS = ("reward", "kl", "informative", "accuracy", "loss", "format_rate", "pass@", "maj@")

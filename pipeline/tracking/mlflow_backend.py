@@ -47,8 +47,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.config import Config
-from pipeline.lock import pid_alive
+from pipeline.core.config import Config
+from pipeline.core.lock import pid_alive
 from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, experiment_label, git_state, outputs_digest,
                                       repo_root, run_name, runtime_tags)
 from pipeline.tracking.mlflow_client import (COMMIT_TAG, END_TIMEOUT_S, HOST_TAG, OUTPUTS_TAG, PENDING_TIMEOUT_S, PID_TAG,

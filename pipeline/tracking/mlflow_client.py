@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from pipeline.config import Config
-from pipeline.errors import InputError
+from pipeline.core.config import Config
+from pipeline.core.errors import InputError
 from pipeline.tracking.common import TrackingUnavailableError, resolve_uri, temporary_env
 
 

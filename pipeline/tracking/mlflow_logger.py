@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.files import write_bytes_atomic
-from pipeline.lock import pid_alive
+from pipeline.core.files import write_bytes_atomic
+from pipeline.core.lock import pid_alive
 from pipeline.tracking.common import TrackingUnavailableError, repo_root, temporary_env
 from pipeline.tracking.mlflow_client import (END_TIMEOUT_S, FLUSH_TIMEOUT_S, PROGRESS_S, _log_params, _unreachable,
                                              probe)

@@ -8,7 +8,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from pipeline.config import CHECKPOINT_DIR, Config
+from pipeline.core.config import CHECKPOINT_DIR, Config
 from pipeline.tracking.mlflow_client import CHECKPOINT_TAG, client_for, tracking_uri
 from pipeline.tracking.mlflow_logger import MlflowLogger, WithLogger
 
@@ -115,7 +115,7 @@ def _register(client, name: str, run_id: str, sha: str, model_id: str | None = N
     try:
         client.create_registered_model(name, description="GRPO policy checkpoints (safetensors + JSON) as "
                                                           "pyfunc models: mlflow.pyfunc.load_model, or the "
-                                                          "checkpoint artifact with pipeline.checkpoint.load_policy")
+                                                          "checkpoint artifact with pipeline.train.checkpoint.load_policy")
     except MlflowException as exc:
         if "already exists" not in str(exc).lower() and "RESOURCE_ALREADY_EXISTS" not in str(exc):
             raise

@@ -47,7 +47,7 @@ class PolicyModel(PythonModel):
     """Completions from a pipeline checkpoint (either backend: the from-scratch GPT or an HF model)."""
 
     def load_context(self, context) -> None:
-        from pipeline.checkpoint import load_policy
+        from pipeline.train.checkpoint import load_policy
 
         config = getattr(context, "model_config", None) or {}
         self.policy = load_policy(context.artifacts["checkpoint"], device=config.get("device", "cpu")).eval()
@@ -55,7 +55,7 @@ class PolicyModel(PythonModel):
     def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
         import torch
 
-        from pipeline.generation import generate
+        from pipeline.rl.generation import generate
 
         p = {**DEFAULTS, **(params or {})}
         prompts = prompts_of(model_input)

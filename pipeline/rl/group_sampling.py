@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from pipeline import distributed as dist_utils
-from pipeline.config import GRPOConfig
-from pipeline.errors import InputError
-from pipeline.grpo import informative_groups
+from pipeline.core import distributed as dist_utils
+from pipeline.core.config import GRPOConfig
+from pipeline.core.errors import InputError
 from pipeline.model.policy import Policy
-from pipeline.rollout import Rollout, rollout_prompts
+from pipeline.rl.loss import informative_groups
+from pipeline.rl.rollout import Rollout, rollout_prompts
 
 log = logging.getLogger(__name__)
 

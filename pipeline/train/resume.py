@@ -3,7 +3,7 @@
 The trainer's state is any dataclass of JSON values (counters, a metric series); this module
 knows nothing else about it. ``save_resume`` writes it with the weights, the optimizer state, the
 global RNGs and an optional sampling generator to ``folder/step_NNNNNN`` through
-:func:`pipeline.checkpoint_state.save_training_state` (safetensors + JSON, atomic, verified on load, no
+:func:`pipeline.train.state.save_training_state` (safetensors + JSON, atomic, verified on load, no
 pickle) and keeps the newest ``keep_last`` saved under the same key. ``load_resume`` restores the
 newest intact one.
 
@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipeline.checkpoint_manifest import TRAIN_JSON
-from pipeline.checkpoint_state import capture_rng_state, load_training_state, restore_rng_state, save_training_state
-from pipeline.errors import CheckpointError
-from pipeline.files import sha256
+from pipeline.core.errors import CheckpointError
+from pipeline.core.files import sha256
 from pipeline.model.policy import Policy
+from pipeline.train.manifest import TRAIN_JSON
+from pipeline.train.state import capture_rng_state, load_training_state, restore_rng_state, save_training_state
 
 log = logging.getLogger(__name__)
 State = TypeVar("State")

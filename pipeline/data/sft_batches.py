@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from pipeline.config import SFTConfig
+from pipeline.core.config import SFTConfig
+from pipeline.core.errors import InputError
 from pipeline.data.prompts import response_text
-from pipeline.errors import InputError
 
 Example = tuple[list[int], int]  # (prompt + response + eos token ids, number of prompt tokens)
 

@@ -10,9 +10,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from pipeline.config import ConfigError
-from pipeline.errors import InputError, TrainingDivergedError
-from pipeline.files import storage_errno
+from pipeline.core.config import ConfigError
+from pipeline.core.errors import InputError, TrainingDivergedError
+from pipeline.core.files import storage_errno
 
 
 def add_config_args(parser: argparse.ArgumentParser, params_help: str = "params file (default: params.yaml)",

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 from pipeline.rewards.parsing import extract_answer
 from pipeline.rewards.verifiers import answers_match
-from pipeline.rollout import rollout_prompts
+from pipeline.rl.rollout import rollout_prompts
 
 EVAL_BATCH = 64  # prompts per greedy generation batch of `greedy_accuracy`
 

@@ -1,7 +1,7 @@
 """The pipeline's file formats: atomic writes (a temporary file beside the target, fsync, rename:
 a crash or an exception mid-write leaves the previous file intact and no partial file behind), the
-one JSONL reader of prepared data (`read_rows`: bounded line size, strict UTF-8, every row checked
-against the processed schema) and the one file hash (`sha256`).
+line reader under the one JSONL reader of prepared data (`text_lines`: bounded line size, strict
+UTF-8; `pipeline.data.schema.read_rows` checks each row) and the one file hash (`sha256`).
 
 A stage's outputs as one unit (all new or all old, never a mix):
 - `replaced_dir(target)`: the stage writes a whole folder (prepare's `data/`) into a temporary
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from pipeline.errors import InputError, StorageError
+from pipeline.core.errors import InputError, StorageError
 
 
 def sha256(path: str | Path) -> str:
@@ -74,33 +74,6 @@ def json_problem(exc: Exception) -> str:
     if isinstance(exc, RecursionError):
         return "nested too deeply"
     return str(exc).split(";")[0].split(":")[0]
-
-
-def read_rows(path: str | Path, limit: int = 0) -> list[dict[str, Any]]:
-    """The first `limit` rows (0 = all) of a prepared JSONL file, in file order; blank lines skipped.
-
-    A missing file, a line that is not a JSON object, or a row without the processed schema
-    (`pipeline.data.schema`: a finite `gold`, a known `source`, text fields) raises
-    :class:`InputError` naming the file and line and the stage that writes it.
-    """
-    from pipeline.data.schema import check_prepared_row
-
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: not found (run the 'prepare' stage first)")
-    rows: list[dict[str, Any]] = []
-    for lineno, line in text_lines(path):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError) as exc:  # ValueError: also an integer of over 4,300 digits
-            raise InputError(f"{path}:{lineno}: invalid JSON ({json_problem(exc)}); "
-                             "re-run the 'prepare' stage") from None
-        rows.append(check_prepared_row(row, f"{path}:{lineno}"))
-        if limit and len(rows) >= limit:
-            break
-    return rows
 
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, file size limit (ulimit -f)

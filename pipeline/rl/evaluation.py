@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.files import write_bytes_atomic
+from pipeline.core.files import write_bytes_atomic
 from pipeline.rewards.parsing import extract_answer
 from pipeline.rewards.verifiers import Verifier, answers_match, has_well_formed_answer, score
 

@@ -35,7 +35,7 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """Resumable training state (``save_training_state`` / ``load_training_state``): the policy
-files of :mod:`pipeline.checkpoint` plus ``training_state.json`` (optimizer param groups, scheduler
+files of :mod:`pipeline.train.checkpoint` plus ``training_state.json`` (optimizer param groups, scheduler
 state, RNG states, extra; tensors replaced by references) and ``training_state.safetensors`` (the referenced tensors:
 AdamW moments, torch RNG bytes, ...). Tuples, non-string dict keys and numpy arrays are tagged in
 the JSON so the round trip is exact.
 
 Written atomically and verified on load like every checkpoint folder (see
-:mod:`pipeline.checkpoint_manifest`).
+:mod:`pipeline.train.manifest`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.checkpoint import _load_gpt_weights, _load_hf_policy, _write_policy_files
-from pipeline.checkpoint_manifest import (ADAPTER, TRAIN_JSON, TRAIN_TENSORS, WEIGHTS, _atomic_folder, _read_json,
-                                          _write_manifest, verify)
-from pipeline.errors import CheckpointError
+from pipeline.core.errors import CheckpointError
 from pipeline.model.lora import adapter_state, is_lora, load_adapter_state
 from pipeline.model.policy import Policy
+from pipeline.train.checkpoint import _load_gpt_weights, _load_hf_policy, _write_policy_files
+from pipeline.train.manifest import (ADAPTER, TRAIN_JSON, TRAIN_TENSORS, WEIGHTS, _atomic_folder, _read_json,
+                                          _write_manifest, verify)
 
 
 # --------------------------------------------------------------------------- pickle-free state

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.config import METRICS_DIR
+from pipeline.core.config import METRICS_DIR
 
 TRAIN_COLUMNS = (("reward_final", "reward"), ("kl_final", "kl"), ("informative_final", "informative"))
 EVAL_COLUMNS = (("gsm8k_accuracy", "gsm8k acc"), ("arith_accuracy", "arith acc"))

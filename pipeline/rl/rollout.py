@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.model import fastpaths
+from pipeline.model import fast
 from pipeline.model.attention import positions_from_mask
-from pipeline.model.packed import packed_linears
+from pipeline.model.fast.packed import packed_linears
 from pipeline.model.policy import Policy
 
 
@@ -98,7 +98,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
     if greedy:
         tokens = scaled.argmax(-1)
         return tokens, scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-    if top_k == 0 and top_p >= 1.0 and fastpaths.enabled():
+    if top_k == 0 and top_p >= 1.0 and fast.enabled():
         # no truncation (every GRPO rollout by default): one softmax serves both the draw and the
         # log-prob; log(p) of a drawn token is within ~1e-7 of log_softmax (p > 0: never a zero-mass draw)
         probs = scaled.softmax(-1)  # (N, V)
@@ -120,7 +120,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1
 def _draw(probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor | None = None,
           batch: int = 0) -> torch.Tensor:
     """One token per row of (N, V) probabilities."""
-    if not fastpaths.enabled():
+    if not fast.enabled():
         if rows is not None:
             raise ValueError("a subset of rows needs the fast-path sampler (one uniform per row)")
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -277,12 +277,12 @@ def _rollout(policy, prompts, group_size, max_new_tokens, temperature, top_p, to
     positions = positions_from_mask(mask)  # (B, Tp)
     # CPU fp32: each linear layer's weight packed once for MKL, not re-packed by every decode matmul.
     cpu_fp32 = dev.type == "cpu" and policy.autocast_dtype is None
-    with packed_linears(policy.module, N, enabled=fastpaths.enabled() and cpu_fp32):
+    with packed_linears(policy.module, N, enabled=fast.enabled() and cpu_fp32):
         logits = decoder.prefill(ids, mask, positions, G)  # (N, V): one prefill per distinct prompt
         next_pos = positions[:, -1].repeat_interleave(G) + 1  # (N,)
         # Finished rows leave the loop (whole groups where G rows share a prompt); the sampler's
         # uniforms stay per row of the whole batch (the multinomial of the plain path cannot).
-        unit = G if fastpaths.enabled() else 0
+        unit = G if fast.enabled() else 0
         out_tokens, out_logp, lengths, done, t = _decode(
             decoder, logits, next_pos, max_new_tokens, stop, tok.pad_id, unit,
             lambda lg, rows, batch: sample_next(lg, temperature, top_p, top_k, greedy, generator, rows, batch))

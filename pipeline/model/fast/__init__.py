@@ -5,17 +5,17 @@ fast one only while :func:`enabled` is true (the default). ``with plain():`` run
 path everywhere, so one equivalence test can run the same work both ways
 (tests/test_fastpaths.py) besides the per-site tests. The sites:
 
-- rollout decode on CPU fp32: linear weights packed once for MKL (``pipeline.model.packed``);
+- rollout decode on CPU fp32: linear weights packed once for MKL (``pipeline.model.fast.packed``);
 - token draws: one uniform per row through a blocked inverse CDF instead of ``torch.multinomial``
   (the same distribution, other draws);
 - decoding G samples per prompt: the prompt's keys read once per group instead of G copies
   (both backends' decoders), and a transformers ``StaticCache`` where the model supports one;
 - decode steps of HF Llama/Qwen2 and of the from-scratch GPT: one flat function with fused q/k/v
-  and gate/up weights instead of the model's modules (``pipeline.model.fused_decode``);
+  and gate/up weights instead of the model's modules (``pipeline.model.fast.fused_decode``);
 - finished rows leave the decode loop: with one row per prompt any row that has stopped, with G
   rows per prompt a group once all its rows have stopped, so later steps compute only the rows
   still decoding; sampled rows keep their own uniforms, so on CPU fp32 at one thread the draws and
-  log-probs are the same bits (``pipeline.rollout``, the decoders' ``select``);
+  log-probs are the same bits (``pipeline.rl.rollout``, the decoders' ``select``);
 - GRPO log-prob passes: each group's shared prompt run once (``Policy.token_logprobs``);
 - GRPO's old log-probs with several optimizer steps per rollout batch: the rollout's recorded ones in
   fp32 instead of another forward pass (``pipeline.stages.grpo.reuses_sampled_logprobs``);

@@ -125,7 +125,7 @@ def gather_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 def loss_weight(local: float) -> float:
     """Scale of a rank's loss so that DDP's gradient mean equals the single-process gradient.
 
-    The local loss is normalised by `local` units (`pipeline.grpo.loss_units`: tokens for
+    The local loss is normalised by `local` units (`pipeline.rl.loss.loss_units`: tokens for
     token-mean, sequences otherwise); the global loss by the global units. DDP averages over W
     ranks, so weight = W * local / global.
     """

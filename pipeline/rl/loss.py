@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from pipeline.utils import masked_mean, masked_sum
+from pipeline.rl.masked import masked_mean, masked_sum
 
 AdvNorm = Literal["group", "batch", "none"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -1,8 +1,8 @@
-"""Reading a params file into a :class:`~pipeline.config.Config`.
+"""Reading a params file into a :class:`~pipeline.core.config.Config`.
 
 ``load_config(path, overrides)`` reads a params file (strict YAML: no duplicate keys, bounded size),
 applies ``section.key=value`` overrides, checks every key, type and range, and returns the
-:class:`~pipeline.config.Config`. Any mistake raises :class:`~pipeline.config.ConfigError` with a
+:class:`~pipeline.core.config.Config`. Any mistake raises :class:`~pipeline.core.config.ConfigError` with a
 one-line message naming the file, the key and what is allowed; the CLI prints it and exits with status 2.
 
 Sizes have upper bounds no real run reaches (a value past them is a slip that would ask for gigabytes
@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pipeline.config import Config, ConfigError, GRPOConfig
+from pipeline.core.config import Config, ConfigError, GRPOConfig
 
 
 # --------------------------------------------------------------------------- validation

@@ -1,6 +1,6 @@
 """params.yaml written from the config dataclasses: their defaults, section and field docstrings.
 
-Regenerate with ``python -m pipeline.config_render > params.yaml``.
+Regenerate with ``python -m pipeline.core.config_render > params.yaml``.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import Config
+from pipeline.core.config import Config
 
 
 PARAMS_HEADER = """\
-# The single source of knobs: one section per stage, mirrored 1:1 by pipeline/config.py.
+# The single source of knobs: one section per stage, mirrored 1:1 by pipeline/core/config.py.
 # Override any value on the CLI with --set section.key=value, or with `dvc exp run -S section.key=value`.
-# Written from pipeline/config.py (defaults and docstrings): python -m pipeline.config_render > params.yaml
+# Written from pipeline/core/config.py (defaults and docstrings): python -m pipeline.core.config_render > params.yaml
 """
 
 

@@ -8,7 +8,7 @@ the weights do not change, so :class:`FusedLlamaStep` takes them once per rollou
 arithmetic as one flat function:
 
 - q, k and v as ONE matmul (their weights concatenated), gate and up as one, each weight packed for
-  oneDNN (or MKL) once per rollout on CPU fp32 (``pipeline.model.packed``), and again for the new row count
+  oneDNN (or MKL) once per rollout on CPU fp32 (``pipeline.model.fast.packed``), and again for the new row count
   when finished rows leave the batch;
 - rotary on q and k together, from a cos/sin table made once (``sin`` carries rotate-half's sign, so
   ``rotate_half(x) * sin`` is one flip and one multiply);
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model import packed
 from pipeline.model.attention import grouped_prefix_attention, whole_cache_key_bias
+from pipeline.model.fast import packed
 
 _TYPES = ("llama", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3")  # inv_freq fixed for the whole rollout
@@ -59,7 +59,7 @@ def supported(model: nn.Module) -> bool:
 
 
 class _Linear:
-    """``x @ weight.T + bias`` on the packed weight (CPU fp32: :func:`~pipeline.model.packed.PackedWeight`,
+    """``x @ weight.T + bias`` on the packed weight (CPU fp32: :func:`~pipeline.model.fast.packed.PackedWeight`,
     oneDNN's or MKL's), else ``F.linear``.
 
     Under autocast (``model.dtype: bfloat16``) the weight and bias are cast to the autocast dtype

@@ -96,3 +96,73 @@ def tokenizer_from_str(text: str) -> BPETokenizer:
     from tokenizers import Tokenizer
 
     return BPETokenizer(Tokenizer.from_str(text))
+
+
+class HFTokenizer:
+    """The pipeline tokenizer interface over a transformers tokenizer."""
+
+    def __init__(self, tok) -> None:
+        self.hf = tok
+        if tok.eos_token_id is None:
+            raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', '')!r} has no eos token")
+        self.eos_id = int(tok.eos_token_id)
+        self.eos_ids = [self.eos_id]  # with a model's end-of-turn ids (add_eos_ids): what ends a completion
+        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(tok)
+
+    def add_eos_ids(self, ids: Iterable[int]) -> None:
+        """Also end a completion at `ids` (a model's generation_config eos ids: an instruct model's
+        end-of-turn tokens), and strip them in `decode` like eos."""
+        self.eos_ids += [int(i) for i in ids if int(i) not in self.eos_ids]
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:  # transformers' fast tokenizers fail on an empty batch
+            return []
+        return self.hf(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids` without pads and stop tokens (eos, end-of-turn), which end a response
+        but are no part of its text."""
+        drop = {self.pad_id, *self.eos_ids}
+        return self.hf.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
+
+    def chat_prompt(self, user: str, system: str = "", examples: Iterable[tuple[str, str]] = ()) -> str:
+        """`user` as the user turn (after a `system` turn if given, and after `examples`, earlier
+        (user, assistant) turns of a few-shot prompt), rendered with the tokenizer's chat template
+        with the assistant turn opened: the text the model continues."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError(f"tokenizer {getattr(self.hf, 'name_or_path', '')!r} has no chat template")
+        messages = [{"role": "system", "content": system}] if system else []
+        for question, answer in examples:
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": user})
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def token_id(self, token: str) -> int | None:
+        """Id of `token` if it is a single token of the vocabulary, else None."""
+        i = self.hf.convert_tokens_to_ids(token)
+        if i is None or (self.hf.unk_token_id is not None and i == self.hf.unk_token_id):
+            return None
+        return int(i)
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        self.hf.save_pretrained(folder)
+        return folder
+
+    def to_str(self) -> str | None:
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else None
+
+
+def load_hf_tokenizer(init: str | Path) -> HFTokenizer:
+    """The tokenizer of a local folder or hub id (pad = eos where it has no pad token)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(init))
+    if tok.pad_token_id is None:  # many causal LMs ship without a pad token
+        tok.pad_token = tok.eos_token
+    return HFTokenizer(tok)

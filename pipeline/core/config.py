@@ -1,7 +1,7 @@
 """Typed configuration: one dataclass per section of ``params.yaml``, mirrored 1:1.
 
-Reading, overriding and checking a params file live in :mod:`pipeline.config_loading`
-(``load_config``); writing params.yaml from these dataclasses in :mod:`pipeline.config_render`.
+Reading, overriding and checking a params file live in :mod:`pipeline.core.config_loading`
+(``load_config``); writing params.yaml from these dataclasses in :mod:`pipeline.core.config_render`.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class ModelConfig:
     cpu_kernels: Literal["native", "avx2", "avx512", "compatible"] = "native"
     """CPU kernels of torch and MKL: `native` (this CPU's own), `avx2` / `avx512` (torch's kernels of that set and
     MKL's reproducibility branch of it, which MKL honours on Intel CPUs only), `compatible` (scalar kernels
-    and MKL's branch for any x86-64 CPU; 2.3x an iteration's time on one AMD CPU); pipeline/kernels.py."""
+    and MKL's branch for any x86-64 CPU; 2.3x an iteration's time on one AMD CPU); pipeline/core/kernels.py."""
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """Checkpoint folders on disk: atomic writes, the manifest and its verification, size checks.
 
-Every checkpoint folder (:mod:`pipeline.checkpoint`, :mod:`pipeline.checkpoint_state`) ends with
+Every checkpoint folder (:mod:`pipeline.train.checkpoint`, :mod:`pipeline.train.state`) ends with
 ``manifest.json``: byte size and SHA-256 of every other file.
 
 Untrusted folders: every folder with a manifest is verified against it before anything in it is
 read (files it does not list are refused too), and no model is built before its parameter count,
 computed from its config alone, is checked against :func:`max_params` (MAX_PARAMS, or half the
 memory available). A disk-full or file-size-limit error while writing is a one-line
-:class:`~pipeline.errors.StorageError`; the previous checkpoint stays intact.
+:class:`~pipeline.core.errors.StorageError`; the previous checkpoint stays intact.
 
 Atomicity: everything is written into a hidden sibling temp folder, fsynced, then renamed into
 place. A crash leaves either the previous checkpoint or the new one; a crash between the two
@@ -24,8 +24,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import CheckpointError
-from pipeline.files import ensure_dir, raise_if_storage, real_target, remove_stale, sha256, storage_errors
+from pipeline.core.errors import CheckpointError
+from pipeline.core.files import ensure_dir, raise_if_storage, real_target, remove_stale, sha256, storage_errors
 from pipeline.model.gpt import GPTConfig
 
 

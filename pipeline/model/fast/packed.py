@@ -5,7 +5,7 @@ its blocked layout on every call. A decode step multiplies only N rows (the roll
 weight, so that re-packing is a large part of each matmul. During a rollout the weights do not
 change, so :func:`packed_linears` packs every fp32 ``nn.Linear`` weight once and routes the layers'
 calls through the packed copy until the block ends; the fused decode step
-(``pipeline.model.fused_decode``) packs its fused weights the same way (:func:`PackedWeight`).
+(``pipeline.model.fast.fused_decode``) packs its fused weights the same way (:func:`PackedWeight`).
 
 Which GEMM: oneDNN's (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what
 Inductor's CPU weight freezing calls) where this torch build has it, else MKL's packed sgemm

@@ -8,10 +8,10 @@ Policy folder (``save_policy`` / ``load_policy``):
   plus ``pipeline.json`` (``{"format": "grpo-pipeline/hf", "model": ModelConfig}``);
 - both: ``state.json`` (the caller's ``extra_state``, if any) and ``manifest.json``: byte size and
   SHA-256 of every other file. Loading checks it, so a truncated or corrupt file is refused with a
-  :class:`~pipeline.errors.CheckpointError` naming the file.
+  :class:`~pipeline.core.errors.CheckpointError` naming the file.
 
-Resumable training state: :mod:`pipeline.checkpoint_state`; atomic folders, the manifest and its
-verification, and the size checks before a model is built: :mod:`pipeline.checkpoint_manifest`.
+Resumable training state: :mod:`pipeline.train.state`; atomic folders, the manifest and its
+verification, and the size checks before a model is built: :mod:`pipeline.train.manifest`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint_manifest import (CONFIG, FORMAT_GPT, FORMAT_HF, HF_META, MANIFEST, STATE, TIED_KEYS, WEIGHTS,
-                                          _atomic_folder, _check_weight_files, _read_json, _write_manifest, check_size,
-                                          gpt_param_count, hf_param_count, is_checkpoint, verify)
-from pipeline.config import ModelConfig
-from pipeline.errors import CheckpointError
+from pipeline.core.config import ModelConfig
+from pipeline.core.errors import CheckpointError
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.lora import is_lora, merged_state_dict
 from pipeline.model.policy import Policy, build_policy, param_dtype
+from pipeline.train.manifest import (CONFIG, FORMAT_GPT, FORMAT_HF, HF_META, MANIFEST, STATE, TIED_KEYS, WEIGHTS,
+                                          _atomic_folder, _check_weight_files, _read_json, _write_manifest, check_size,
+                                          gpt_param_count, hf_param_count, is_checkpoint, verify)
 
 
 # --------------------------------------------------------------------------- policy files
@@ -78,7 +78,7 @@ def _model_config(raw: Any, path: Path) -> ModelConfig:
 def _check_finite(tensors, path: Path) -> None:
     """CheckpointError if any floating-point tensor holds inf or nan or is beyond WEIGHT_LIMIT (a
     state saved after a blow-up: sampling from it fails, so it cannot continue)."""
-    from pipeline.training import WEIGHT_LIMIT
+    from pipeline.train.optim import WEIGHT_LIMIT
 
     for t in tensors:
         if t.is_floating_point() and t.numel() and not float(t.detach().abs().amax()) <= WEIGHT_LIMIT:
@@ -173,7 +173,7 @@ def load_policy(folder: str | Path, device: str | torch.device | None = None,
 
 
 def _load_gpt_policy(folder: Path, meta: dict, device, run: ModelConfig | None = None) -> Policy:
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.data.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(folder)
@@ -245,7 +245,7 @@ def export_hf(folder: str | Path, policy: Policy) -> Path:
     :func:`load_policy`. HF policies are written with their own ``save_pretrained``."""
     from transformers.utils import logging as hf_logging
 
-    from pipeline.tokenizer import EOS, PAD
+    from pipeline.data.tokenizer import EOS, PAD
 
     hf_logging.disable_progress_bar()
     if policy.backend != "gpt":

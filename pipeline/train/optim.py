@@ -9,7 +9,7 @@
 - `seed_everything`: Python, NumPy (if installed) and torch RNGs from one seed.
 - `step_if_finite` and `count_nonfinite`: the one non-finite policy of SFT and GRPO. A step whose
   loss or gradient norm is not finite (on any rank) is skipped and counted; `max_nonfinite` skipped
-  steps in a row stop the stage with :class:`~pipeline.errors.TrainingDivergedError`, leaving the
+  steps in a row stop the stage with :class:`~pipeline.core.errors.TrainingDivergedError`, leaving the
   last resume state intact. A step that leaves any weight non-finite or beyond WEIGHT_LIMIT stops
   the stage at once, before the weights can be sampled from or saved.
 """
@@ -23,8 +23,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pipeline import distributed as dist_utils
-from pipeline.errors import TrainingDivergedError
+from pipeline.core import distributed as dist_utils
+from pipeline.core.errors import TrainingDivergedError
 
 # Modules whose parameters are never decayed, whatever their shape.
 _NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (

@@ -1,4 +1,4 @@
-"""One pipeline run per workspace: an OS lock (``fcntl.flock``) on ``.pipeline.lock``.
+"""One pipeline run per workspace: an OS lock (``fcntl.flock``) on ``.pipeline.core.lock``.
 
 Every stage function takes it (``pipeline.stages.stage_function``), so a stage started by the CLI,
 by ``dvc repro`` or by a Prefect task cannot run beside another stage in the same folder: the
@@ -35,9 +35,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
-LOCK_FILE = ".pipeline.lock"
+LOCK_FILE = ".pipeline.core.lock"
 TOKEN_ENV = "GRPO_LOCK_TOKEN"
 
 

