@@ -128,7 +128,7 @@ def test_a_non_numeric_score_is_refused_at_start(user_module):
 @pytest.mark.parametrize("spec", ["os.system('x')", "a b:c", "mod.:f", ":f", "mod:f()"])
 def test_config_accepts_only_module_colon_function(spec):
     with pytest.raises(ConfigError, match="grpo.reward .*module:function"):
-        load_config(ROOT / "configs" / "smoke.yaml", [f"grpo.reward={spec}"])
+        load_config(ROOT / "configs" / "smoke.yaml", [f'grpo.reward="{spec}"'])  # quoted: DVC's -S grammar
 
 
 @pytest.mark.parametrize("spec", ["no_such_module_xyz:score", "os:system"])

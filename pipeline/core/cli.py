@@ -16,7 +16,7 @@ from pipeline.core.files import storage_errno
 
 
 def add_config_args(parser: argparse.ArgumentParser, params_help: str = "params file (default: params.yaml)",
-                    set_help: str = "override one param; repeatable") -> None:
+                    set_help: str = "override one param (DVC's -S grammar); repeatable") -> None:
     parser.add_argument("--params", default="params.yaml", help=params_help)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help=set_help)

@@ -1,14 +1,23 @@
-"""Typed configuration: one dataclass per section of ``params.yaml``, mirrored 1:1.
+"""Typed configuration: one pydantic dataclass per section of ``params.yaml``, mirrored 1:1.
 
-Reading, overriding and checking a params file live in :mod:`pipeline.core.config_loading`
-(``load_config``); writing params.yaml from these dataclasses in :mod:`pipeline.core.config_render`.
+Each key is declared once, here: its type, its default, the range of values it allows (pydantic
+``Field`` constraints: ``ge``, ``lt``, a pattern, the members of a ``Literal``) and, in the docstring
+under it, what it means (read by pydantic, ``use_attribute_docstrings``; params.yaml's comments are
+rendered from it). Types are strict, as a params file should be: ``true`` is no integer and ``2.0``
+no step count. Rules that relate two keys (``sft.max_len <= model.block_size``) live in
+:mod:`pipeline.core.config_loading`, which reads a params file, applies ``--set`` overrides and turns
+pydantic's errors into one line naming the file, the key and what is allowed;
+:mod:`pipeline.core.config_render` writes params.yaml from these classes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import field
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 
 class ConfigError(ValueError):
@@ -19,6 +28,39 @@ DEFAULT_TEMPLATE = (
     "Solve the problem. Think step by step, then give the final answer as <answer>N</answer>.\n"
     "Question: {question}\nAnswer:"
 )
+
+def _yaml_float(value: Any) -> Any:
+    """YAML 1.1 reads ``1e-3`` as a string; a float key takes it as the number it means."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def allowed(text: str) -> dict[str, Any]:
+    """What a key allows, in words, where its constraint is a pattern (the one-line error shows it)."""
+    return Field(json_schema_extra={"allowed": text})
+
+
+# integers fit a signed 64-bit value (numpy and torch seeds do); floats are finite
+Int = Annotated[int, Field(ge=-2**63, lt=2**63)]
+Float = Annotated[float, BeforeValidator(_yaml_float)]
+NonNegInt = Annotated[Int, Field(ge=0)]
+PosInt = Annotated[Int, Field(ge=1)]
+Procs = Annotated[Int, Field(ge=1, le=1024)]
+NonNegFloat = Annotated[Float, Field(ge=0)]
+PosFloat = Annotated[Float, Field(gt=0)]
+Fraction = Annotated[Float, Field(ge=0, le=1)]
+Probability = Annotated[Float, Field(gt=0, le=1)]
+EvalStage = Literal["sft", "control", "warmup", "grpo"]  # the training stages whose checkpoint evaluate scores
+RewardSpec = Annotated[str, Field(pattern=r"^([A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)?$"),
+                       allowed("empty or module:function (e.g. mypkg.rewards:score)")]
+
+SECTION = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+dataclass = pydantic_dataclass(config=SECTION)  # every section: validated on construction
+
 
 # Fixed output locations, relative to the working directory (the repo root for dvc/prefect).
 DATA_DIR = "data"
@@ -38,28 +80,28 @@ class DataConfig:
     or a Hugging Face dataset id (`openai/gsm8k`)."""
     gsm8k_config: str = "main"
     """Dataset config name used when `gsm8k_source` is a hub id."""
-    val_size: int = 200
+    val_size: NonNegInt = 200
     """GSM8K train rows held out (seeded) as the validation split for model selection."""
-    max_bad_fraction: float = 0.01
+    max_bad_fraction: Fraction = 0.01
     """The stage fails if more than this fraction of GSM8K rows is malformed."""
-    arith_train_size: int = 20000
+    arith_train_size: Annotated[Int, Field(ge=1, le=10_000_000)] = 20000
     """Arithmetic curriculum problems in the training stream."""
-    arith_eval_size: int = 200
+    arith_eval_size: Annotated[Int, Field(ge=1, le=1_000_000)] = 200
     """Arithmetic problems in the held-out evaluation set."""
-    arith_max_level: int = 4
+    arith_max_level: Annotated[Int, Field(ge=1, le=5)] = 4
     """Hardest curriculum level generated (1: one-digit +/-, ..., 5: two-step three-digit)."""
     arith_solution: Literal["digits", "lines"] = "digits"
     """Worked arithmetic solutions: column by column with carries (`digits`) or one line per operation."""
-    prompt_template: str = DEFAULT_TEMPLATE
+    prompt_template: Annotated[str, Field(pattern=r"\{question\}"), allowed("a string containing {question}")] = DEFAULT_TEMPLATE
     """The one prompt template for every task; must contain `{question}`."""
     chat_template: bool = False
     """Render each prompt with the model tokenizer's chat template (hf backend): `system_prompt`, then the
     filled `prompt_template` (the question and the answer-format instruction) as the user turn."""
     system_prompt: str = ""
     """System turn of the chat template; empty: none."""
-    vocab_size: int = 2048
+    vocab_size: Annotated[Int, Field(ge=300, le=1_000_000)] = 2048
     """Vocabulary size of the byte-level BPE trained for the from-scratch GPT."""
-    seed: int = 0
+    seed: Int = 0
     """Seed for the validation split and the curriculum generator."""
 
 
@@ -71,17 +113,17 @@ class ModelConfig:
     """`gpt`: the from-scratch GPT of pipeline/model/gpt.py; `hf`: any transformers causal LM."""
     init: str = ""
     """Empty: random init and SFT from scratch. A checkpoint folder or HF model id/folder: start from it."""
-    n_layer: int = 4
+    n_layer: Annotated[Int, Field(ge=1, le=1024)] = 4
     """Transformer blocks (gpt backend)."""
-    n_head: int = 4
+    n_head: Annotated[Int, Field(ge=1, le=1024)] = 4
     """Attention heads per block (gpt backend)."""
-    n_embd: int = 128
+    n_embd: Annotated[Int, Field(ge=1, le=65536)] = 128
     """Residual stream width (gpt backend)."""
-    block_size: int = 512
+    block_size: Annotated[Int, Field(ge=16, le=131072)] = 512
     """Maximum context length in tokens (prompt + response)."""
     positions: Literal["rope", "learned"] = "rope"
     """Rotary position embeddings or a learned position table (gpt backend)."""
-    dropout: float = 0.0
+    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.0
     """Dropout probability during SFT (GRPO always runs the policy without dropout)."""
     device: str = "auto"
     """`auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:N`."""
@@ -94,14 +136,14 @@ class ModelConfig:
     memory; checkpoints are saved in this dtype)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them (hf backend): less memory, ~30% more time."""
-    lora_rank: int = 0
+    lora_rank: NonNegInt = 0
     """LoRA adapter rank (hf backend, needs `peft`); 0 trains every weight. The KL reference is the base
     model with the adapters off, and the saved checkpoint has the adapters merged in."""
-    lora_alpha: float = 16.0
+    lora_alpha: PosFloat = 16.0
     """LoRA scaling numerator (the update is alpha / rank * B A)."""
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_targets: Annotated[list[Annotated[str, Field(pattern=r"\S")]], Field(min_length=1), allowed("a non-empty list of module names, e.g. [q_proj, v_proj]")] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get LoRA adapters (peft `target_modules`)."""
-    num_threads: int = 1
+    num_threads: Annotated[Int, Field(ge=0, le=4096)] = 1
     """torch intra-op CPU threads; 0 = torch's default (one per core). The tiny default runs fastest on 1."""
     cpu_kernels: Literal["native", "avx2", "avx512", "compatible"] = "native"
     """CPU kernels of torch and MKL: `native` (this CPU's own), `avx2` / `avx512` (torch's kernels of that set and
@@ -113,58 +155,58 @@ class ModelConfig:
 class SFTConfig:
     """SFT warm start on curriculum arithmetic + GSM8K solutions"""
 
-    steps: int = 4500
+    steps: NonNegInt = 4500
     """Optimizer steps of supervised fine-tuning: each of the default budget's 1,000 worked solutions is seen
     about 60 times; some seeds' SFT is still short of its plateau at 4,500 steps (6,000 reach it),
     docs/results/learning.md."""
-    batch_size: int = 16
+    batch_size: Annotated[Int, Field(ge=1, le=65536)] = 16
     """Sequences per step."""
-    lr: float = 3e-3
+    lr: PosFloat = 3e-3
     """Peak AdamW learning rate."""
-    warmup_steps: int = 100
+    warmup_steps: NonNegInt = 100
     """Linear LR warmup steps, then cosine decay to 10% of `lr`."""
-    weight_decay: float = 0.1
+    weight_decay: NonNegFloat = 0.1
     """AdamW weight decay on matrices."""
-    grad_clip: float = 1.0
+    grad_clip: PosFloat = 1.0
     """Max global gradient norm."""
-    arith_fraction: float = 0.875
+    arith_fraction: Fraction = 0.875
     """Fraction of each batch drawn from the arithmetic curriculum (the rest: GSM8K solutions)."""
-    max_len: int = 256
+    max_len: Annotated[Int, Field(ge=8)] = 256
     """Training sequences longer than this many tokens are dropped."""
-    log_every: int = 100
+    log_every: PosInt = 100
     """Steps between metric logs."""
-    eval_every: int = 450
+    eval_every: NonNegInt = 450
     """Steps between validation loss and held-out arithmetic accuracy (the default's checks fall at every
     10% of the run, so the plateau check compares the last two)."""
-    eval_samples: int = 200
+    eval_samples: NonNegInt = 200
     """Held-out arithmetic problems scored greedily at each evaluation."""
-    save_every: int = 500
+    save_every: PosInt = 500
     """Steps between resumable checkpoints."""
-    keep_last: int = 2
+    keep_last: PosInt = 2
     """Resumable checkpoints kept."""
-    max_nonfinite: int = 3
+    max_nonfinite: PosInt = 3
     """Stop with an error after this many consecutive non-finite steps."""
-    arith_examples: int = 1000
+    arith_examples: NonNegInt = 1000
     """Worked arithmetic solutions SFT learns from: the first N rows of the training stream (0 = all of it);
     GRPO's warmup still draws its problems (questions and verified answers only) from the whole stream. The
     default is RLVR's premise: a budget of worked solutions, verified answers without limit."""
-    arith_max_level: int = 0
+    arith_max_level: NonNegInt = 0
     """Hardest curriculum level whose worked solutions SFT learns from (0 = every level); harder levels reach
     the policy only through the warmup's verifier (applied before `arith_examples`)."""
-    arith_hard_examples: int = 0
+    arith_hard_examples: NonNegInt = 0
     """With `arith_max_level`: worked solutions still kept from the harder levels, the first N of them in the
     stream (a scarce budget of hard worked solutions beside plentiful verified answers)."""
-    num_threads: int = 1
+    num_threads: Annotated[Int, Field(ge=0, le=4096)] = 1
     """torch intra-op CPU threads of each process of the sft stage (0 = `model.num_threads`); the control,
     which runs beside the warmup, keeps `model.num_threads`. A run's figures depend on its thread and
     process counts (float sums), so they are params like any other."""
-    nproc: int = 2
+    nproc: Procs = 2
     """Processes (torchrun DDP) for this stage, which runs alone in the pipeline's graph: each rank takes
     a share of every batch's sequences (balanced by tokens) and the gradients are summed, the
     single-process update up to float rounding; the held-out checks are split across ranks too. On the
     2-core default, two processes of one thread run a step 1.14x as fast as one process of two
     threads (docs/results/speed.md)."""
-    seed: int = 0
+    seed: Int = 0
     """Seed for init, batching and dropout."""
 
 
@@ -172,20 +214,20 @@ class SFTConfig:
 class ControlConfig:
     """the warmup's equal-compute baseline: SFT continued from the SFT checkpoint on the same worked-example budget"""
 
-    steps: int = 2400
+    steps: NonNegInt = 2400
     """Optimizer steps of continued SFT; the default is set so the stage takes about the warmup's wall time
     (the two run side by side, one core each), docs/results/learning.md."""
-    lr: float = 1e-3
+    lr: PosFloat = 1e-3
     """Peak AdamW learning rate (a fresh optimizer; the other SFT settings are `sft`'s); it ends 8 points above
     3e-4, about where the SFT's cosine ended (docs/results/learning.md)."""
-    warmup_steps: int = 50
+    warmup_steps: NonNegInt = 50
     """Linear LR warmup steps, then cosine decay to 10% of `lr`."""
-    eval_every: int = 300
+    eval_every: NonNegInt = 300
     """Steps between validation loss and held-out arithmetic accuracy."""
-    nproc: int = 1
+    nproc: Procs = 1
     """Processes (torchrun DDP) for this stage, as `sft.nproc` (the default runs beside the warmup, one core
     each)."""
-    seed: int = 0
+    seed: Int = 0
     """Seed for batching and dropout."""
 
 
@@ -193,33 +235,33 @@ class ControlConfig:
 class GRPOConfig:
     """GRPO on GSM8K train, from the warmup checkpoint; reference policy = SFT checkpoint"""
 
-    iterations: int = 20
+    iterations: NonNegInt = 20
     """GRPO iterations."""
-    prompts_per_iter: int = 8
+    prompts_per_iter: Annotated[Int, Field(ge=1, le=65536)] = 8
     """Distinct prompts sampled per iteration; each is repeated `group_size` times."""
-    group_size: int = 8
+    group_size: Annotated[Int, Field(ge=2, le=1024)] = 8
     """G: completions per prompt; advantages are relative within a group."""
-    grpo_epochs: int = 1
+    grpo_epochs: PosInt = 1
     """Passes over the rollout batch per iteration."""
-    minibatch_groups: int = 0
+    minibatch_groups: NonNegInt = 0
     """Whole groups per minibatch (one optimizer step), over all processes; 0 = the whole batch in
     one step."""
-    micro_batch_size: int = 0
+    micro_batch_size: NonNegInt = 0
     """Rows per forward/backward, gradients accumulated up to the minibatch (the same update as one pass),
     and per old/reference log-prob pass; 0 = the whole minibatch. Bounds the memory of those passes."""
-    lr: float = 5e-5
+    lr: PosFloat = 5e-5
     """Peak AdamW learning rate."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warmup: constant, or cosine decay to 10% of `lr` at the last iteration."""
-    warmup_iters: int = 0
+    warmup_iters: NonNegInt = 0
     """Linear LR warmup iterations."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegFloat = 0.0
     """AdamW weight decay."""
-    clip: float = 0.2
+    clip: Annotated[Float, Field(gt=0, lt=1)] = 0.2
     """PPO/GRPO clip epsilon (lower side, and upper side unless `clip_high` is set)."""
-    clip_high: float = 0.0
+    clip_high: Annotated[Float, Field(ge=0, lt=10)] = 0.0
     """DAPO clip-higher upper epsilon; 0 = same as `clip`."""
-    kl_coef: float = 0.04
+    kl_coef: NonNegFloat = 0.04
     """beta: weight of the k3 KL to the frozen reference (the SFT checkpoint)."""
     adv_norm: Literal["group", "batch", "none"] = "group"
     """Advantage scaling: per-group std (GRPO), batch std, or none (Dr. GRPO)."""
@@ -227,38 +269,38 @@ class GRPOConfig:
     """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (DeepSeekMath), Dr. GRPO."""
     importance: Literal["token", "sequence"] = "token"
     """Importance ratio per token (GRPO) or per sequence (GSPO)."""
-    temperature: float = 1.0
+    temperature: PosFloat = 1.0
     """Sampling temperature for rollouts."""
-    top_p: float = 1.0
+    top_p: Probability = 1.0
     """Nucleus sampling threshold; 1.0 disables it."""
-    top_k: int = 0
+    top_k: NonNegInt = 0
     """Top-k sampling; 0 disables it."""
-    rollout_len: int = 128
+    rollout_len: PosInt = 128
     """Maximum new tokens per completion."""
-    reward: str = ""
+    reward: RewardSpec = ""
     """Verifier: empty = the built-in one of each row's source (gsm8k, arith); `module:function` = a user's
     own `(completion, gold) -> float` in a module under pipeline/rewards/plugins/ (a DVC dep), checked at start."""
-    grad_clip: float = 1.0
+    grad_clip: PosFloat = 1.0
     """Max global gradient norm."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop zero-variance groups and top up with fresh prompts."""
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: PosInt = 3
     """Rollout rounds per iteration allowed for dynamic sampling top-ups."""
-    max_nonfinite: int = 3
+    max_nonfinite: PosInt = 3
     """Stop with an error after this many consecutive non-finite steps."""
-    log_every: int = 1
+    log_every: PosInt = 1
     """Iterations between metric logs."""
-    eval_every: int = 10
+    eval_every: NonNegInt = 10
     """Iterations between greedy held-out accuracy checks; 0 disables."""
-    eval_samples: int = 50
+    eval_samples: NonNegInt = 50
     """Held-out problems in each periodic accuracy check."""
-    save_every: int = 5
+    save_every: PosInt = 5
     """Iterations between resumable checkpoints."""
-    keep_last: int = 2
+    keep_last: PosInt = 2
     """Resumable checkpoints kept."""
-    nproc: int = 1
+    nproc: Procs = 1
     """Processes (torchrun DDP) for this stage; prompts are sharded by rank."""
-    seed: int = 0
+    seed: Annotated[Int, Field(ge=-2**50, lt=2**50)] = 0  # the sampling streams are seeded with seed * 7919 + epoch
     """Seed for prompt order and sampling."""
 
 
@@ -268,13 +310,13 @@ class WarmupConfig(GRPOConfig):
 
     adaptive: bool = False
     """Adaptive curriculum: stop early once both thresholds pass, extend while informative is low."""
-    exit_reward: float = 1.0
+    exit_reward: Float = 1.0
     """Adaptive: mean reward (over the last `log_every` window) needed to leave early."""
-    exit_accuracy: float = 0.6
+    exit_accuracy: Fraction = 0.6
     """Adaptive: held-out arithmetic accuracy needed to leave early."""
-    min_informative: float = 0.25
+    min_informative: Fraction = 0.25
     """Adaptive: below this informative fraction the warmup is extended."""
-    max_extra_iters: int = 0
+    max_extra_iters: NonNegInt = 0
     """Adaptive: at most this many iterations added beyond `iterations`."""
     level_sampling: Literal["uniform", "informative"] = "uniform"
     """Which curriculum levels the prompts come from: `uniform` (the training stream's own mix) or
@@ -282,7 +324,7 @@ class WarmupConfig(GRPOConfig):
     with right and wrong completions, over the best level's: levels the policy always or never solves
     are drawn less; the rates are this run's own, from every group rolled out, decayed by 0.9 per
     iteration)."""
-    level_floor: float = 0.1
+    level_floor: Annotated[Float, Field(gt=0, le=1)] = 0.1
     """`informative`: the least chance that a drawn prompt of any level is kept, so that every level's
     rate stays measured."""
 
@@ -303,37 +345,37 @@ WARMUP_DEFAULTS: dict[str, Any] = dict(
 class EvalConfig:
     """greedy GSM8K test + held-out arithmetic accuracy of each stage's checkpoint"""
 
-    stages: list[str] = field(default_factory=lambda: ["sft", "control", "warmup", "grpo"])
+    stages: Annotated[list[EvalStage], Field(min_length=1)] = field(default_factory=lambda: ["sft", "control", "warmup", "grpo"])
     """Checkpoints evaluated, in order."""
-    gsm8k_limit: int = 0
+    gsm8k_limit: NonNegInt = 0
     """GSM8K test problems evaluated; 0 = all 1,319."""
-    arith_limit: int = 0
+    arith_limit: NonNegInt = 0
     """Held-out arithmetic problems evaluated; 0 = all."""
-    batch_size: int = 64
+    batch_size: Annotated[Int, Field(ge=1, le=65536)] = 64
     """Prompts per generation batch."""
-    max_new_tokens: int = 256
+    max_new_tokens: Annotated[Int, Field(ge=1, le=131072)] = 256
     """Maximum new tokens per completion, each row's own whatever the batch (less where its prompt leaves
     less room in the context; a row with none is not scored, counted as `<task>_unscorable`)."""
-    samples: int = 8
+    samples: Annotated[Int, Field(ge=0, le=1024)] = 8
     """k for pass@k / maj@k / pass@1 (mean sample accuracy); 0 disables sampling metrics."""
-    sample_tasks: list[str] = field(default_factory=lambda: ["arith"])
+    sample_tasks: list[Literal["gsm8k", "arith"]] = field(default_factory=lambda: ["arith"])
     """Tasks that get the k samples (`gsm8k`, `arith`); GSM8K sampling costs k greedy passes."""
-    temperature: float = 1.0
+    temperature: PosFloat = 1.0
     """Sampling temperature for pass@k / maj@k."""
-    top_p: float = 1.0
+    top_p: Probability = 1.0
     """Nucleus threshold for pass@k / maj@k."""
-    reward: str = ""
+    reward: RewardSpec = ""
     """Verifier: empty = the built-in one of each row's source; `module:function` = a user's own
     `(completion, gold) -> float` under pipeline/rewards/plugins/ (correct when it scores at least 1)."""
-    seed: int = 0
+    seed: Int = 0
     """Seed for the sampling metrics."""
-    jobs: int = 0
+    jobs: NonNegInt = 0
     """Processes scoring checkpoints at once, each with `model.num_threads` threads (the figures do not
     change); 0 = auto: on CPU one per `model.num_threads` cores, at most one per checkpoint; on CUDA 1."""
-    fewshot_stages: list[str] = field(default_factory=list)
+    fewshot_stages: list[EvalStage] = field(default_factory=list)
     """Checkpoints also scored with `fewshot_examples` worked examples before each question (reported as
     `<stage>_fewshot`): a pretrained model's prompted baseline, which training must beat."""
-    fewshot_examples: int = 4
+    fewshot_examples: Annotated[Int, Field(ge=1, le=16)] = 4
     """Worked examples of a few-shot prompt: the first N rows of the task's training file (arithmetic or
     GSM8K train), as earlier user and assistant turns under the chat template, else as text."""
     per_level: bool = False
@@ -349,9 +391,9 @@ class TrackingConfig:
     """Log params, metrics and artifacts to MLflow."""
     uri: str = "sqlite:///mlflow.db"
     """MLflow tracking URI; the MLFLOW_TRACKING_URI environment variable overrides it."""
-    experiment: str = "grpo-gsm8k"
+    experiment: Annotated[str, Field(pattern=r"\S"), allowed("a non-empty name")] = "grpo-gsm8k"
     """MLflow experiment name."""
-    log_model_max_mb: float = 200.0
+    log_model_max_mb: NonNegFloat = 200.0
     """Log each training stage's final checkpoint as an MLflow Model of its run up to this size (MB); 0: never."""
     registered_model: str = "grpo-policy"
     """Model Registry name of the grpo checkpoint (a new version per grpo run); empty: no registration."""

@@ -1,4 +1,4 @@
-"""params.yaml written from the config dataclasses: their defaults, section and field docstrings.
+"""params.yaml written from the config sections: their defaults, section and field docstrings.
 
 Regenerate with ``python -m pipeline.core.config_render > params.yaml``.
 """
@@ -22,18 +22,14 @@ PARAMS_HEADER = """\
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a config dataclass (and of its bases), read from the source."""
-    import ast
-    import inspect
-    import textwrap
-
+    """The docstring under each field of a config section (pydantic reads it: ``use_attribute_docstrings``),
+    from the class that declares the field (a subclass, such as the warmup's, inherits its base's)."""
     docs: dict[str, str] = {}
-    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-                docs[node.target.id] = " ".join(after.value.value.split())
+    for klass in reversed([k for k in cls.__mro__ if hasattr(k, "__pydantic_fields__")]):
+        for name in vars(klass).get("__annotations__", {}):
+            description = klass.__pydantic_fields__[name].description
+            if description:
+                docs[name] = " ".join(description.split())
     return docs
 
 
