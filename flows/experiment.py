@@ -144,7 +144,8 @@ def experiment_copy(root: str | Path, name: str, overrides: list[str]) -> Iterat
         _copy_workspace_state(root, work)
         _share_cache(root, work)
         _run(_dvc("checkout", "--allow-missing"), work, check=False)  # what is cached; the rest re-runs
-        apply_overrides(work / "params.yaml", overrides)
+        if overrides:
+            apply_overrides(work / "params.yaml", overrides)
         check_gsm8k_source(work)
         _take_resume_states(root, key, work)
         yield work
@@ -154,6 +155,17 @@ def experiment_copy(root: str | Path, name: str, overrides: list[str]) -> Iterat
     finally:
         if not keep:
             _remove_copy(root, work)
+
+
+def push_experiment(work: Path, name: str, remote: str) -> str:
+    """``dvc exp push`` experiment ``name`` to git remote ``remote``: its git ref (params, ``dvc.lock``,
+    metrics, plots) there and its cached outputs to the repository's default DVC remote, so any clone
+    gets it with ``dvc exp pull <remote> <name>``. One line naming the remote where it fails."""
+    res = _run(_dvc("exp", "push", remote, name), work, check=False)
+    if res.returncode != 0:
+        why = (res.stderr.strip() or res.stdout.strip()).splitlines()[-1:] or ["no output"]
+        raise InputError(f"experiment {name}: dvc exp push {remote} failed: {why[0]}")
+    return remote
 
 
 def save_experiment(work: Path, name: str) -> str:

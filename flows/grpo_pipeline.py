@@ -38,7 +38,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from flows.experiment import exp_name, experiment_copy, save_experiment
+from flows.experiment import exp_name, experiment_copy, push_experiment, save_experiment
 from pipeline.core.cli import add_config_args, exit_status
 from pipeline.core.config import METRICS_DIR, PLOTS_DIR, Config
 from pipeline.core.config_loading import load_config
@@ -230,15 +230,17 @@ def settle(futures: list[Any], exc: BaseException) -> BaseException:
 
 
 def execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence[str] | None,
-            parallel: bool = True) -> dict[str, Any] | Any:
+            parallel: bool = True, share: str | None = None) -> dict[str, Any] | Any:
     """The body of every pipeline flow: lock, experiment copy when overridden, parent run, chain.
-    ``stages=None``: every stage of the working directory's dvc.yaml. A signal ends the run Cancelled
-    (a State the flow returns), not Crashed: the stages are stopped by then (:func:`settle`)."""
+    ``stages=None``: every stage of the working directory's dvc.yaml. ``share``: a git remote the run
+    is pushed to as a DVC experiment (a work pool's runs, flows/deploy.py), overridden or not. A signal
+    ends the run Cancelled (a State the flow returns), not Crashed: the stages are stopped by then
+    (:func:`settle`)."""
     from prefect.states import Cancelled
 
     reset_stop()
     try:
-        return _execute(stages, params_path, overrides, parallel)
+        return _execute(stages, params_path, overrides, parallel, share)
     except BaseException as exc:
         sig = interrupt_signal(exc)
         if sig is None:
@@ -255,7 +257,7 @@ def interrupted_message(sig: int) -> str:
 
 
 def _execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence[str] | None,
-             parallel: bool) -> dict[str, Any]:
+             parallel: bool, share: str | None = None) -> dict[str, Any]:
     from prefect.runtime import flow_run
 
     overrides = effective_overrides(params_path, overrides)  # a bad config fails before any task
@@ -263,18 +265,21 @@ def _execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence
     stages = list(stage_graph(root)) if stages is None else stages
     with workspace_lock(f"flow run {name}", root):
         cfg = load_config("params.yaml", overrides)
-        copy = experiment_copy(root, name, overrides) if overrides else contextlib.nullcontext(root)
+        experiment = bool(overrides) or share is not None
+        copy = experiment_copy(root, name, overrides) if experiment else contextlib.nullcontext(root)
         # an experiment's copy is held under the flow's lock too, so the side-by-side branches running in
         # it pass through that lock instead of refusing each other (in the workspace itself: a no-op)
         with copy as work, workspace_lock(f"flow run {name}", work):
             tags = {"prefect.flow_run_id": str(flow_run.id)} if flow_run.id else {}
-            if overrides:  # saved as DVC experiment `name` (as `dvc exp run` tags its runs)
+            if experiment:  # saved as DVC experiment `name` (as `dvc exp run` tags its runs)
                 tags["grpo.experiment"] = tags["dvc.exp_name"] = name
             parent = start_pipeline_run(cfg, name=run_name(cfg, None, name), tags=tags)
             try:
-                results = run_chain(stages, work, cfg, parent, name if overrides else None, root, parallel)
-                if overrides:
+                results = run_chain(stages, work, cfg, parent, name if experiment else None, root, parallel)
+                if experiment:
                     results["experiment"] = save_experiment(work, name)
+                if share is not None:
+                    results["shared"] = push_experiment(work, name, share)
                 results["metrics"] = publish_eval(workdir=work) if "evaluate" in stages else []
                 results["headline"] = headline(work)
             except BaseException as exc:
@@ -293,10 +298,11 @@ def reused_outputs(results: dict[str, Any], work: Path) -> dict[str, str | None]
 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None = None,
-                  parallel: bool = True) -> dict[str, Any]:
+                  parallel: bool = True, share: str | None = None) -> dict[str, Any]:
     """Every stage of the working directory's dvc.yaml through DVC, along its graph (the default's warmup
-    and control side by side; ``parallel=False``: one at a time); an experiment when overridden."""
-    return execute(None, params_path, overrides, parallel)
+    and control side by side; ``parallel=False``: one at a time); an experiment when overridden, and
+    pushed to git remote ``share`` with its outputs when given (a work pool's runs)."""
+    return execute(None, params_path, overrides, parallel, share)
 
 
 def headline(work: Path) -> str:
@@ -407,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                     set_help="override one param (the run becomes a DVC experiment); repeatable")
     p.add_argument("--sequential", action="store_true",
                    help="one stage at a time (default: warmup and control side by side, each on its own cores)")
+    p.add_argument("--share", default=None, metavar="REMOTE",
+                   help="save the run as a DVC experiment and push it to this git remote (dvc exp push)")
     p.add_argument("--recipe", default=None, metavar="DIR",
                    help="run the pipeline of another folder with its own dvc.yaml and params.yaml (recipes/smollm2)")
     args = p.parse_args(argv)
@@ -417,12 +425,14 @@ def main(argv: list[str] | None = None) -> int:
         effective_overrides(args.params, args.overrides)
         check_free()  # one line before Prefect starts, not a failed flow run's traceback
         results, code = run_flow(lambda: grpo_pipeline(args.params, args.overrides, not args.sequential,
-                                                       return_state=True),
+                                                       args.share, return_state=True),
                                  ["-m", "flows.grpo_pipeline", *(sys.argv[1:] if argv is None else argv)])
         if code:
             return code
         if results.get("experiment"):
             print(f"experiment {results['experiment']} saved: dvc exp show; dvc exp apply {results['experiment']}")
+        if results.get("shared"):
+            print(f"pushed to {results['shared']}: dvc exp pull {results['shared']} {results['experiment']}")
         print(results.get("headline", ""))
         return 0
 

@@ -434,3 +434,29 @@ def test_a_prefect_server_that_is_down_is_one_line_before_any_stage():
     lines = (res.stdout + res.stderr).strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, lines[-20:]
     assert lines[0].startswith(f"error: PREFECT_API_URL={url}: no Prefect server answers (connection refused)"), lines
+
+
+def test_an_experiment_that_cannot_be_pushed_is_one_line(tmp_path):
+    """A work pool's run pushes its experiment (`dvc exp push`); a remote it cannot reach is one line
+    naming the experiment and the remote, not a traceback of DVC's."""
+    from flows.experiment import push_experiment
+    from pipeline.core.errors import InputError
+
+    sh(tmp_path, "git", "init", "-q", "-b", "main")
+    sh(tmp_path, "dvc", "init", "-q")
+    sh(tmp_path, "git", "commit", "-qm", "init")
+    with pytest.raises(InputError, match=r"^experiment e1: dvc exp push nowhere failed: .+") as info:
+        push_experiment(tmp_path, "e1", "nowhere")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--pool-type", "docker"], "--pool-type docker: give --image"),
+    (["--cron", "every day"], "--cron 'every day'"),
+])
+def test_deploy_refuses_a_pool_it_cannot_start_in_one_line(args, needle):
+    res = subprocess.run([sys.executable, "-m", "flows.deploy", "--pool", "p", "--source", str(REPO), *args],
+                         cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr

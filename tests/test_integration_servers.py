@@ -1,6 +1,8 @@
 """Real servers on 127.0.0.1 (free ports, temporary homes), always stopped by their fixtures:
 
 - a Prefect server + `python -m flows.serve` (cron deployment), a run triggered with run_deployment;
+- a process work pool (`python -m flows.deploy`) and a real `prefect worker start`: two sweeps side by
+  side, each pushed to a git remote and a DVC remote, both logged to one MLflow server;
 - an MLflow server the smoke pipeline logs to; metric histories read back with MlflowClient, and
   fail-fast when the server is gone;
 - a flow stopped as a terminal's Ctrl-C (SIGINT to its process group) or systemd/Docker/Kubernetes
@@ -147,6 +149,78 @@ def test_served_deployment_runs_on_trigger(tmp_path, prefect_server):
         assert "grpo" in data["metrics"]["metrics/train.json"]["data"]
     finally:
         stop(serve)
+
+
+@pytest.mark.slow
+def test_a_work_pool_runs_two_sweeps_side_by_side_and_shares_them(tmp_path, prefect_server, mlflow_server):
+    """`python -m flows.deploy` on a process pool, a real `prefect worker start`: two override runs go
+    side by side, each in its own clone of the git remote, and each shares what it made: its DVC
+    experiment pushed to the remote (ref) and the shared DVC remote (outputs), its MLflow runs on the
+    one tracking server. A fresh clone pulls either experiment back."""
+    from mlflow.tracking import MlflowClient
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.experiment import exp_name
+    from tests.conftest import GIT_ENV
+
+    repo = copy_repo(tmp_path / "repo")
+    storage = tmp_path / "dvc-remote"
+    sh(repo, "dvc", "remote", "add", "-d", "shared", str(storage))
+    sh(repo, "git", "commit", "-qam", "the shared DVC remote")
+    origin = tmp_path / "origin.git"
+    sh(tmp_path, "git", "clone", "-q", "--bare", str(repo), str(origin))
+    env = {**base_env(repo), **prefect_server["env"], **GIT_ENV, "MLFLOW_TRACKING_URI": mlflow_server}
+    deployed = subprocess.run([sys.executable, "-m", "flows.deploy", "--pool", "itest-pool", "--source", str(origin),
+                               "--branch", "main", "--name", "sweep"], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert deployed.returncode == 0, deployed.stderr[-3000:]
+    log = tmp_path / "worker.log"
+    worker = start([str(BIN / "prefect"), "worker", "start", "--pool", "itest-pool", "--type", "process",
+                    "--limit", "2"], tmp_path, env, log)
+    track = ["tracking.enabled=true", f"tracking.uri={mlflow_server}", "tracking.experiment=pool"]
+    sweeps = {"kl02": "grpo.kl_coef=0.02", "kl05": "grpo.kl_coef=0.05"}
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+            from prefect.client.orchestration import get_client
+
+            triggered = {k: run_deployment("grpo-pipeline/sweep", parameters={"overrides": [o, *track]}, timeout=0)
+                         for k, o in sweeps.items()}
+            with get_client(sync_client=True) as client:
+                runs = {k: wait_run(client, r.id, lambda run: run.state.is_final(), k, 900, log)
+                        for k, r in triggered.items()}
+        for k, run in runs.items():
+            assert run.state.is_completed(), (k, run.state, log.read_text()[-4000:])
+        first, second = sorted(runs.values(), key=lambda r: r.start_time)
+        assert second.start_time < first.end_time, "the two runs did not overlap"  # side by side
+    finally:
+        stop(worker)
+    exps = sh(origin, "git", "for-each-ref", "--format=%(refname)", "refs/exps")
+    names = {k: exp_name(run.name) for k, run in runs.items()}
+    for k, name in names.items():
+        assert name in exps, (k, exps)
+    assert any(storage.rglob("*")), "nothing reached the shared DVC remote"
+    fresh = tmp_path / "fresh"
+    sh(tmp_path, "git", "clone", "-q", str(origin), str(fresh))
+    for k, name in names.items():  # any machine gets a run's params, metrics and checkpoints back
+        sh(fresh, "dvc", "exp", "pull", "origin", name)
+        sh(fresh, "dvc", "exp", "apply", name)
+        assert yaml_value(fresh / "params.yaml", "grpo", "kl_coef") == float(sweeps[k].split("=")[1])
+        assert "grpo" in json.loads((fresh / "metrics" / "train.json").read_text())
+        sh(fresh, "dvc", "checkout", "checkpoints/grpo")
+        assert (fresh / "checkpoints" / "grpo" / "model.safetensors").stat().st_size > 0
+        sh(fresh, "git", "checkout", "-q", ".")
+    client = MlflowClient(mlflow_server)
+    [exp] = [e for e in client.search_experiments() if e.name == "pool"]
+    parents = client.search_runs([exp.experiment_id], "tags.`grpo.experiment` != ''")
+    tagged = {r.data.tags.get("grpo.experiment") for r in parents if "mlflow.parentRunId" not in r.data.tags}
+    assert set(names.values()) <= tagged, tagged
+
+
+def yaml_value(path: Path, section: str, key: str):
+    import yaml
+
+    return yaml.safe_load(path.read_text())[section][key]
 
 
 # --------------------------------------------------------------------------- MLflow
