@@ -50,6 +50,7 @@ def _racer(root: str, gates, inside, most, wins) -> None:
         done.wait()
 
 
+@pytest.mark.slow  # 400 rounds of 9 forked processes, about 25 s on 2 cores: over the marker's 10 s
 def test_runs_racing_over_a_killed_runs_lock_hold_it_one_at_a_time(tmp_path):
     """Each round a holder is killed (-9) inside the lock, then RACERS processes try it together:
     exactly one wins the round, and no two are ever inside at once."""
