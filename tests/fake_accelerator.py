@@ -21,6 +21,15 @@ on ``cuda`` (the device guard aborts the process). So the accelerator is simulat
   a real CPU generator recorded as the accelerator's (the one stand-in: for hardware this machine
   lacks, not for the code under test).
 
+- autocast on the accelerator (``torch.autocast("meta", ...)``, which torch refuses: "unsupported
+  autocast device_type 'meta'") is simulated with CUDA's op lists: inside an enabled region the
+  matmul-class ops (``linear``, ``matmul``, ``bmm``, ``baddbmm``, ``addmm``, scaled-dot-product
+  attention) take their floating inputs in the region's dtype and the reductions that CUDA keeps in
+  fp32 (softmax, log-softmax, cross-entropy, layer norm) take fp32, by casts above autograd, so the
+  backward sees them as a real run does; a nested ``enabled=False`` region turns it off, and
+  ``torch.is_autocast_enabled("meta")`` / ``get_autocast_dtype`` report the region, so
+  ``torch.utils.checkpoint`` recomputes a checkpointed block under the autocast of its forward.
+
 One difference from a GPU: torch skips copies into parameters that report ``meta``
 (``load_state_dict`` warns and leaves them), so a model moved onto the simulated device keeps the
 weights it had, not a checkpoint's loaded afterwards: the values are real, placement is what is
@@ -196,6 +205,83 @@ class _FromData(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# --------------------------------------------------------------------------- autocast on the device
+
+F = torch.nn.functional
+LOWER_PRECISION = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+                   torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.Tensor.addmm,
+                   F.scaled_dot_product_attention}
+FP32 = {F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+        F.cross_entropy, F.layer_norm}
+_REGIONS: list[tuple[bool, torch.dtype]] = []  # the simulated device's open autocast regions, innermost last
+AUTOCAST_COUNTS = {"lower_precision": 0}
+
+
+class _Autocast(TorchFunctionMode):
+    """Inside an enabled region (the innermost open one), CUDA autocast's casts of the listed ops'
+    floating inputs. Each region enters one; nested ones cast what is cast already, a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _REGIONS and _REGIONS[-1][0] and (func in LOWER_PRECISION or func in FP32):
+            dtype = _REGIONS[-1][1] if func in LOWER_PRECISION else torch.float32
+
+            def cast(t):
+                return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+            AUTOCAST_COUNTS["lower_precision"] += func in LOWER_PRECISION
+        return func(*args, **kwargs)
+
+
+def _sim_autocast(real):
+    """`torch.autocast` / `torch.amp.autocast` with the simulated device's regions; other devices: `real`."""
+
+    class autocast:  # noqa: N801 - stands in for torch's class of that name
+        def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+            self.sim = device_type == DEVICE.type
+            self.region = (bool(enabled), dtype or torch.bfloat16)
+            self.inner = None if self.sim else real(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+        def __enter__(self):
+            if not self.sim:
+                return self.inner.__enter__()
+            _REGIONS.append(self.region)
+            # a mode of its own: a checkpointed block is recomputed in the backward, where torch runs no
+            # function mode of the forward, under a region checkpoint opens again from what it saved
+            self.mode = _Autocast()
+            self.mode.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            if not self.sim:
+                return self.inner.__exit__(*exc)
+            self.mode.__exit__(*exc)
+            _REGIONS.pop()
+            return False
+
+    return autocast
+
+
+@contextlib.contextmanager
+def _autocast_patched() -> Iterator[None]:
+    saved = {"autocast": torch.autocast, "amp": torch.amp.autocast, "available": torch.amp.is_autocast_available,
+             "enabled": torch.is_autocast_enabled, "dtype": torch.get_autocast_dtype}
+    torch.autocast, torch.amp.autocast = _sim_autocast(saved["autocast"]), _sim_autocast(saved["amp"])
+    torch.amp.is_autocast_available = lambda device_type: device_type == DEVICE.type or saved["available"](device_type)
+    torch.is_autocast_enabled = lambda *a: (bool(_REGIONS) and _REGIONS[-1][0]) if a and a[0] == DEVICE.type \
+        else saved["enabled"](*a)
+    torch.get_autocast_dtype = lambda device_type: (_REGIONS[-1][1] if _REGIONS else torch.bfloat16) \
+        if device_type == DEVICE.type else saved["dtype"](device_type)
+    try:
+        yield
+    finally:
+        torch.autocast, torch.amp.autocast = saved["autocast"], saved["amp"]
+        torch.amp.is_autocast_available, torch.is_autocast_enabled = saved["available"], saved["enabled"]
+        torch.get_autocast_dtype = saved["dtype"]
+        _REGIONS.clear()
+
+
 @contextlib.contextmanager
 def simulated_accelerator() -> Iterator[torch.device]:
     """Run the block with a simulated accelerator; yields its device (pass it where a CUDA device goes)."""
@@ -216,7 +302,7 @@ def simulated_accelerator() -> Iterator[torch.device]:
     torch.Generator = generator
     _SIM_STATE["generators"] = generators
     try:
-        with _Mode(generators), _FromData():
+        with _Mode(generators), _FromData(), _autocast_patched():
             yield DEVICE
     finally:
         torch.Generator = real_generator
