@@ -2,7 +2,8 @@
 
 ``load_config(path, overrides)`` reads a params file (strict YAML: no duplicate keys, bounded size),
 applies ``section.key=value`` overrides, builds the :class:`~pipeline.core.config.Config`, whose
-pydantic sections check every key's type and range, then checks the rules that relate two keys. Any mistake raises :class:`~pipeline.core.config.ConfigError` with a
+pydantic sections check every key's type and range, then checks the rules that relate two keys.
+Any mistake raises :class:`~pipeline.core.config.ConfigError` with a
 one-line message naming the file, the key and what is allowed; the CLI prints it and exits with status 2.
 
 Sizes have upper bounds no real run reaches (a value past them is a slip that would ask for gigabytes
@@ -29,19 +30,10 @@ import yaml
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from pipeline.core.config import Config, ConfigError, EvalStage, GRPOConfig
+from pipeline.core.config import Config, ConfigError, GRPOConfig
 
 
 # --------------------------------------------------------------------------- validation
-
-EVAL_STAGES = typing.get_args(EvalStage)  # the training stages whose checkpoint evaluate scores
-_REWARD_SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
-
-
-def is_reward_spec(spec: str) -> bool:
-    """Empty, or `module:function` with dotted identifiers (imported by name, never evaluated)."""
-    return spec == "" or _REWARD_SPEC.fullmatch(spec) is not None
-
 
 def _relation_rules(cfg: Config) -> list[tuple[str, bool, str]]:
     """(key, ok, what is allowed) for each rule that relates a key to another; a key's own range is
@@ -214,8 +206,9 @@ def _check_memory(cfg: Config, source: str) -> None:
 
 # --------------------------------------------------------------------------- parsing
 
-_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
-               "string_type": "a string", "list_type": "a list"}
+_TYPE_NAMES = {"int_type": "an integer", "int_from_float": "an integer", "int_parsing": "an integer",
+               "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+               "string_type": "a string", "list_type": "a list"}  # pydantic's error type -> what a key expects
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "string_pattern_mismatch",
                  "too_short", "too_long"}
 
@@ -275,9 +268,8 @@ def _problem(error: Mapping[str, Any], cls: type, section: str, source: str) -> 
         return f"{source}: {key} = {value} is not allowed{hint}; allowed: " + ", ".join(allowed)
     if kind == "finite_number" or (isinstance(error["input"], float) and not math.isfinite(error["input"])):
         return f"{source}: {key} = {value} is not allowed; expected a finite number"
-    if kind in _TYPE_NAMES or kind.endswith("_type") or kind in ("int_from_float", "float_parsing", "int_parsing"):
-        expected = _TYPE_NAMES.get(kind, _TYPE_NAMES.get(f"{kind.split('_')[0]}_type", kind))
-        return f"{source}: {key} = {value} has the wrong type; expected {expected}"
+    if kind in _TYPE_NAMES:
+        return f"{source}: {key} = {value} has the wrong type; expected {_TYPE_NAMES[kind]}"
     if kind in _RANGE_ERRORS:
         info = cls.__pydantic_fields__[name]
         if info.annotation is float and not isinstance(error["input"], bool):
