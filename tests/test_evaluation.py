@@ -465,8 +465,8 @@ def test_fewshot_prompt_as_chat_turns_and_as_text(hf_dirs):
     """Under the chat template each worked example is an earlier user turn (the filled prompt template)
     and its assistant answer, then the question's user turn with the assistant turn opened; without it,
     the examples' prompts and responses as text, a blank line apart, then the question's prompt."""
+    from pipeline.data.prompts import fewshot_prompt
     from pipeline.data.tokenizer import load_hf_tokenizer
-    from pipeline.stages.evaluate import fewshot_prompt
 
     cfg = _quiet_cfg()
     cfg.data.prompt_template = "Q: {question}\nUse <answer>N</answer>."
@@ -474,7 +474,7 @@ def test_fewshot_prompt_as_chat_turns_and_as_text(hf_dirs):
     shots = [("What is 1 + 1?", "1 + 1 = 2.\n<answer>2</answer>"), ("What is 3 - 1?", "<answer>2</answer>")]
     tok = load_hf_tokenizer(hf_dirs["qwen2"])
     eos = tok.hf.eos_token
-    assert fewshot_prompt("What is 4 + 4?", shots, tok, cfg) == (
+    assert fewshot_prompt("What is 4 + 4?", shots, tok, cfg.data) == (
         f"<|im_start|>system\nBe brief.{eos}\n"
         f"<|im_start|>user\nQ: What is 1 + 1?\nUse <answer>N</answer>.{eos}\n"
         f"<|im_start|>assistant\n1 + 1 = 2.\n<answer>2</answer>{eos}\n"
@@ -482,7 +482,7 @@ def test_fewshot_prompt_as_chat_turns_and_as_text(hf_dirs):
         f"<|im_start|>assistant\n<answer>2</answer>{eos}\n"
         f"<|im_start|>user\nQ: What is 4 + 4?\nUse <answer>N</answer>.{eos}\n<|im_start|>assistant\n")
     cfg.data.chat_template = False
-    assert fewshot_prompt("What is 4 + 4?", shots, None, cfg) == (
+    assert fewshot_prompt("What is 4 + 4?", shots, None, cfg.data) == (
         "Q: What is 1 + 1?\nUse <answer>N</answer>. 1 + 1 = 2.\n<answer>2</answer>\n\n"
         "Q: What is 3 - 1?\nUse <answer>N</answer>. <answer>2</answer>\n\n"
         "Q: What is 4 + 4?\nUse <answer>N</answer>.")
@@ -510,7 +510,8 @@ def test_fewshot_entry_scores_the_checkpoint_on_prompts_with_worked_examples(tmp
     from pipeline.data.tokenizer import train_tokenizer
     from pipeline.model.policy import build_policy
     from pipeline.rl.generation import generate
-    from pipeline.stages.evaluate import fewshot_prompt, run_evaluate
+    from pipeline.data.prompts import fewshot_prompt
+    from pipeline.stages.evaluate import run_evaluate
     from pipeline.train.checkpoint import load_policy, save_policy
 
     monkeypatch.chdir(tmp_path)
@@ -538,7 +539,7 @@ def test_fewshot_entry_scores_the_checkpoint_on_prompts_with_worked_examples(tmp
     shots = [("What is 0 + 5?", "0 + 5 = 5.\n<answer>5</answer>"), ("What is 1 + 5?", "1 + 5 = 6.\n<answer>6</answer>")]
     for task in ("gsm8k", "arith"):
         questions = [f"What is {i} + {i + 1}?" for i in range(3)]
-        prompts = [fewshot_prompt(q, shots, policy.tokenizer, cfg) for q in questions]
+        prompts = [fewshot_prompt(q, shots, policy.tokenizer, cfg.data) for q in questions]
         assert prompts[0].startswith("Solve the problem.") and prompts[0].count("Question:") == 3
         texts = [generate(policy, [p], batch_size=1, max_new_tokens=5)[0][0] for p in prompts]
         preds = pd.read_csv(tmp_path / f"reports/predictions_sft_fewshot_{task}.csv", keep_default_na=False)

@@ -280,6 +280,14 @@ class GRPOConfig:
     reward: RewardSpec = ""
     """Verifier: empty = the built-in one of each row's source (gsm8k, arith); `module:function` = a user's
     own `(completion, gold) -> float` in a module under pipeline/rewards/plugins/ (a DVC dep), checked at start."""
+    fewshot_examples: Annotated[Int, Field(ge=0, le=16)] = 0
+    """Worked examples shown before a training prompt's question: the first N rows of the stage's training
+    file, rendered as `evaluate.fewshot_examples` renders them (a scaffold for a pretrained model that does
+    not yet write the answer format; rows that are themselves examples stay bare); 0 = none."""
+    fewshot_fade: NonNegInt = 0
+    """With `fewshot_examples`: the share of prompts shown the examples falls linearly from 1 at the first
+    iteration to 0 at this one (each prompt drawn with that chance, seeded), so the stage ends on the bare
+    prompts evaluation scores; 0 = every prompt is shown them throughout."""
     grad_clip: PosFloat = 1.0
     """Max global gradient norm."""
     dynamic_sampling: bool = False

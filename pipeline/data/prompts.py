@@ -10,8 +10,9 @@ ids), exactly as a rollout sees them, so no BPE merge crosses the boundary.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-from pipeline.core.config import DEFAULT_TEMPLATE
+from pipeline.core.config import DEFAULT_TEMPLATE, DataConfig
 from pipeline.data.tokenizer import ANSWER_CLOSE, ANSWER_OPEN
 
 
@@ -39,3 +40,15 @@ def format_answer(x: float) -> str:
 def response_text(solution: str) -> str:
     """The text the policy should generate after the prompt for this solution (a leading space)."""
     return " " + solution
+
+
+def fewshot_prompt(question: str, shots: Sequence[tuple[str, str]], tokenizer, data: DataConfig) -> str:
+    """`question` after the worked examples `shots` ((question, solution) pairs), in the prompt format of
+    training: under the chat template each example is an earlier user turn (the filled
+    `data.prompt_template`) and its assistant answer; without it, each example's prompt and response text,
+    a blank line apart. Evaluation's few-shot entries and GRPO's scaffolded prompts are both this."""
+    if data.chat_template:
+        turns = [(format_prompt(q, data.prompt_template), a) for q, a in shots]
+        return tokenizer.chat_prompt(format_prompt(question, data.prompt_template), data.system_prompt, turns)
+    shown = "".join(format_prompt(q, data.prompt_template) + response_text(a) + "\n\n" for q, a in shots)
+    return shown + format_prompt(question, data.prompt_template)

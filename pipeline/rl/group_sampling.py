@@ -7,6 +7,9 @@
   completion scored the same: zero advantages, no policy gradient) is dropped and replaced by a
   fresh prompt, for up to ``max_sampling_rounds`` rollout rounds.
 - ``fitting_rows``: the prompts that leave room for the rollout in the model's context.
+- ``Scaffold``: `fewshot_examples` worked examples shown before a drawn prompt's question, with a
+  share that fades (``scaffold_share``); which rows are shown them is a seeded draw per iteration and
+  row, so a resumed run shows the same ones and no sampling stream moves.
 - ``level_keep`` / ``count_levels``: the warmup's `level_sampling = informative`: each drawn prompt
   is kept with its curriculum level's chance (its estimated informative-group rate over the best
   level's), so the rollouts go where the verifier's signal is; the skipped rows are passed over in the
@@ -16,9 +19,10 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,34 @@ log = logging.getLogger(__name__)
 
 Cursor = tuple[int, int]  # (epoch, position in that epoch's permutation of the rows)
 Verifier = Callable[[str], Callable[[str, Any], float]]  # a row's `source` -> (completion, gold) -> reward
+
+
+# --------------------------------------------------------------------------- worked-example scaffold
+
+def scaffold_share(iteration: int, fade: int) -> float:
+    """The share of prompts shown the worked examples at 0-based `iteration`: 1, falling linearly to 0
+    at iteration `fade` (0: 1 throughout)."""
+    return 1.0 if fade == 0 else max(0.0, 1.0 - iteration / fade)
+
+
+@dataclass(frozen=True)
+class Scaffold:
+    """This iteration's worked-example scaffold (`<stage>.fewshot_examples` / `fewshot_fade`)."""
+
+    prompt: Callable[[str], str | None]  # a question -> its prompt after the examples; None: it would not fit
+    examples: frozenset[str]  # the examples' own questions: those rows stay bare
+    share: float  # each drawn row's chance of being shown the examples
+    seed: int
+    iteration: int
+
+    def shown(self, index: int, row: dict[str, Any]) -> str | None:
+        """The scaffolded prompt of training row `index`, or None where it stays bare: a seeded draw
+        per (seed, iteration, row), independent of every other random stream."""
+        if self.share <= 0.0 or row["question"] in self.examples:
+            return None
+        if self.share < 1.0 and random.Random(f"fewshot:{self.seed}:{self.iteration}:{index}").random() >= self.share:
+            return None
+        return self.prompt(row["question"])
 
 
 # --------------------------------------------------------------------------- prompt order
@@ -99,6 +131,7 @@ class Groups:
     dropped: int  # groups dropped for zero variance
     cursor: Cursor  # the prompt cursor after this iteration's draws
     times: dict[str, float]  # seconds in rollout and scoring
+    shown: list[bool] = field(default_factory=list)  # per kept row: shown the worked examples (Scaffold)
 
 
 def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, verifier: Verifier) -> torch.Tensor:
@@ -109,11 +142,13 @@ def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, verifie
 
 def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, conf: GRPOConfig, verifier: Verifier,
                   generator: torch.Generator, rank: int = 0, world: int = 1,
-                  keep: list[float] | None = None) -> Groups:
+                  keep: list[float] | None = None, scaffold: Scaffold | None = None) -> Groups:
     """Roll out and score this rank's groups; with dynamic sampling, replace zero-variance groups.
-    `keep`: each row's chance of being kept when drawn (:func:`next_prompts`); None: every row."""
+    `keep`: each row's chance of being kept when drawn (:func:`next_prompts`); None: every row.
+    `scaffold`: worked examples shown before some prompts; None: every prompt bare."""
     G, per_rank = conf.group_size, conf.prompts_per_iter // world
     kept_rows: list[dict[str, Any]] = []
+    kept_shown: list[bool] = []
     kept: list[tuple[Rollout, list[int]]] = []
     kept_rewards: list[torch.Tensor] = []
     sampled: list[torch.Tensor] = []
@@ -130,9 +165,10 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         if not idx:  # this rank is full; it still drew so that its cursor stays in step
             continue
         batch = [rows[i] for i in idx]
+        scaffolded = [scaffold.shown(i, rows[i]) if scaffold else None for i in idx]
         t0 = time.perf_counter()
-        ro = rollout_prompts(policy, [r["prompt"] for r in batch], G, conf.rollout_len, conf.temperature,
-                             conf.top_p, conf.top_k, generator=generator)
+        ro = rollout_prompts(policy, [s or r["prompt"] for r, s in zip(batch, scaffolded)], G, conf.rollout_len,
+                             conf.temperature, conf.top_p, conf.top_k, generator=generator)
         t1 = time.perf_counter()
         rewards = score(batch, ro.texts, G, verifier).view(-1, G)  # (prompts, G)
         times["rollout"] += t1 - t0
@@ -146,13 +182,14 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
                 dropped += 1
                 continue
             kept_rows.append(row)
+            kept_shown.append(scaffolded[j] is not None)
             kept.append((ro, list(range(j * G, (j + 1) * G))))
             kept_rewards.append(rewards[j])
         if not conf.dynamic_sampling:
             break
     rollout = select_rollouts(kept[:per_rank], policy.tokenizer.pad_id)
     return Groups(kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), torch.cat(sampled), sampled_idx,
-                  dropped, cursor, times)
+                  dropped, cursor, times, kept_shown[:per_rank])
 
 
 def select_rollouts(parts: list[tuple[Rollout, list[int]]], pad_id: int) -> Rollout:

@@ -32,6 +32,7 @@ from pipeline.core import files
 from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
 from pipeline.core.errors import InputError
 from pipeline.core.progress import as_text, progress_bar
+from pipeline.data.prompts import fewshot_prompt
 from pipeline.data.schema import read_rows
 from pipeline.rewards.verifiers import load_verifier
 from pipeline.rl import evaluation as ev
@@ -80,20 +81,6 @@ def load_shots(tasks: Sequence[str], n: int) -> dict[str, list[tuple[str, str]]]
     training file, the same for every question (the test rows never appear among them)."""
     return {task: [(r["question"], r["solution"]) for r in read_rows(Path(DATA_DIR) / SHOT_FILES[task], n)]
             for task in tasks}
-
-
-def fewshot_prompt(question: str, shots: Sequence[tuple[str, str]], tokenizer, cfg: Config) -> str:
-    """`question` after the worked examples `shots`, in the prompt format of training: under the chat
-    template each example is an earlier user turn (the filled `data.prompt_template`) and its assistant
-    answer; without it, each example's prompt and response text, a blank line apart."""
-    from pipeline.data.prompts import format_prompt, response_text
-
-    d = cfg.data
-    if d.chat_template:
-        turns = [(format_prompt(q, d.prompt_template), a) for q, a in shots]
-        return tokenizer.chat_prompt(format_prompt(question, d.prompt_template), d.system_prompt, turns)
-    shown = "".join(format_prompt(q, d.prompt_template) + response_text(a) + "\n\n" for q, a in shots)
-    return shown + format_prompt(question, d.prompt_template)
 
 
 def level_metrics(rows: Sequence[dict[str, Any]], preds: Sequence[dict[str, Any]]) -> dict[str, float | int]:
@@ -202,7 +189,7 @@ def _evaluate_checkpoint(cfg: Config, stage: str, target: tuple[Path, bool], dat
     per_task, unscorable = {}, {}
     for task, rows in tasks.items():
         if fewshot:
-            rows = [{**r, "prompt": fewshot_prompt(r["question"], data["shots"][task], policy.tokenizer, cfg)}
+            rows = [{**r, "prompt": fewshot_prompt(r["question"], data["shots"][task], policy.tokenizer, cfg.data)}
                     for r in rows]
         rows, unscorable[task] = set_aside_unfit(policy, rows, e.max_new_tokens, f"{stage}/{task}")
         tasks[task] = rows

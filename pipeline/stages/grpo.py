@@ -25,6 +25,7 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,14 +37,15 @@ from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GR
 from pipeline.core.errors import InputError, TrainingDivergedError
 from pipeline.core.files import write_series_csv
 from pipeline.core.progress import progress_bar
+from pipeline.data.prompts import fewshot_prompt
 from pipeline.data.schema import read_rows
 from pipeline.model import fast
 from pipeline.model.lora import AdaptersOff, add_lora
 from pipeline.model.policy import Policy
-from pipeline.rewards.verifiers import rewards_by_source
+from pipeline.rewards.verifiers import has_well_formed_answer, rewards_by_source
 from pipeline.rl.generation import greedy_accuracy
-from pipeline.rl.group_sampling import (Groups, Verifier, count_levels, fitting_rows, level_keep, level_rates, row_levels,
-                                     sample_groups)
+from pipeline.rl.group_sampling import (Groups, Scaffold, Verifier, count_levels, fitting_rows, level_keep, level_rates,
+                                     row_levels, sample_groups, scaffold_share)
 from pipeline.rl.loss import group_advantages, grpo_loss, informative_fraction, loss_units
 from pipeline.tracking import Logger, stage_logger
 from pipeline.train.checkpoint import check_architecture, load_policy, save_policy
@@ -60,6 +62,14 @@ REFERENCE = "sft"
 CSV_COLUMNS = ["iteration", "reward", "reward_std", "informative", "kl", "clipfrac", "loss", "grad_norm",
                "response_len", "truncated", "entropy", "lr", "dropped_groups", "reward_sampled",
                "informative_sampled", "skipped_steps", "accuracy"]  # no wall-clock figure: the file is git-tracked
+# with `fewshot_examples`: the share of groups shown worked examples, and the reward and well-formed rate of
+# the bare ones (the prompts evaluation scores) and of the shown ones
+FEWSHOT_COLUMNS = ["fewshot_share", "reward_bare", "well_formed_bare", "reward_shown", "well_formed_shown"]
+
+
+def csv_columns(conf: GRPOConfig) -> list[str]:
+    """The columns of the stage's plots CSV."""
+    return CSV_COLUMNS + FEWSHOT_COLUMNS if conf.fewshot_examples else CSV_COLUMNS
 
 
 @dataclass
@@ -116,6 +126,7 @@ class GRPORun:
     rank: int = 0
     world: int = 1
     levels: list[int] | None = None  # each training row's curriculum level, where prompts are drawn by level
+    scaffold: tuple[Callable[[str], str | None], frozenset[str]] | None = None  # fewshot_examples: (prompt, examples)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -142,7 +153,7 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
             if conf.eval_every and (it % conf.eval_every == 0 or last):
                 metrics["accuracy"] = greedy_accuracy(run.policy, run.eval_rows, conf.rollout_len)
             adapt_curriculum(conf, state, metrics)
-            state.series.append({"iteration": it, **{k: metrics.get(k) for k in CSV_COLUMNS[1:]}})
+            state.series.append({"iteration": it, **{k: metrics.get(k) for k in csv_columns(conf)[1:]}})
             # --- log -----------------------------------------------------------------------------
             info = progress_info(metrics, conf.dynamic_sampling)
             bar.update(task, completed=it, total=state.total_iters, info=info)
@@ -154,7 +165,7 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
                 if is_main:
                     save_resume(run.paths.resume, it, key, state, run.policy, run.optimizer, run.generator,
                                 conf.keep_last, rank_generators=gens)
-                    write_series_csv(run.paths.csv, state.series, CSV_COLUMNS)
+                    write_series_csv(run.paths.csv, state.series, csv_columns(conf))
         summary = finish(run, state, tracker)
     dist_utils.barrier()
     return summary
@@ -170,8 +181,10 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
     if run.levels is not None:  # warmup.level_sampling = informative
         state.level_counts = state.level_counts or {str(v): [0.0, 0.0] for v in sorted(set(run.levels))}
         keep, chance = level_keep(state.level_counts, run.levels, conf.level_floor)
+    scaffold = (Scaffold(*run.scaffold, scaffold_share(state.iteration, conf.fewshot_fade), conf.seed, state.iteration)
+                if run.scaffold else None)
     groups = sample_groups(run.policy, run.train_rows, (state.prompt_epoch, state.prompt_pos), conf, verifier,
-                           run.generator, run.rank, run.world, keep)
+                           run.generator, run.rank, run.world, keep, scaffold)
     state.prompt_epoch, state.prompt_pos = groups.cursor
     if run.levels is not None:
         state.level_counts = count_levels(state.level_counts, run.levels, groups.sampled_idx, groups.sampled)
@@ -247,8 +260,26 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
     # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
     generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
+    scaffold = scaffold_prompts(policy, paths.train, cfg, stage) if conf.fewshot_examples else None
     return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world,
-                   levels)
+                   levels, scaffold)
+
+
+def scaffold_prompts(policy: Policy, path: Path, cfg: Config, stage: str) -> tuple[Callable[[str], str | None],
+                                                                                   frozenset[str]]:
+    """`<stage>.fewshot_examples`: the worked examples (the first N rows of the training file `path`, as
+    evaluate's few-shot entries take them from it) and the prompt of a question after them, None where that
+    prompt leaves no room for the rollout in the model's context (the row then stays bare)."""
+    conf: GRPOConfig = getattr(cfg, stage)
+    rows = read_rows(path, conf.fewshot_examples)  # each row's question and solution checked (file:line named)
+    shots = [(r["question"], r["solution"]) for r in rows]
+    budget = None if policy.max_len is None else policy.max_len - conf.rollout_len
+
+    def prompt(question: str) -> str | None:
+        text = fewshot_prompt(question, shots, policy.tokenizer, cfg.data)
+        return text if budget is None or len(policy.tokenizer.encode(text)) <= budget else None
+
+    return prompt, frozenset(q for q, _ in shots)
 
 
 def check_reference(paths: StagePaths, policy: Policy, ref: Policy) -> None:
@@ -428,7 +459,27 @@ def iteration_metrics(run: GRPORun, state: TrainState, groups: Groups, stats: di
         "time_rollout": times["rollout"], "time_scoring": times["scoring"],
         "time_logprobs": times["update"] - times["logprobs"], "time_update": times["end"] - times["update"],
     })
+    if run.conf.fewshot_examples:
+        metrics.update(scaffold_metrics(groups, G))
     return metrics
+
+
+def scaffold_metrics(groups: Groups, G: int) -> dict[str, float | None]:
+    """The share of kept groups shown the worked examples, and the mean reward and well-formed `<answer>`
+    rate of the bare and of the shown groups' completions (None where there were none), over ranks."""
+    shown = torch.tensor(groups.shown, dtype=torch.bool).repeat_interleave(G)
+    formed = torch.tensor([has_well_formed_answer(t) for t in groups.rollout.texts], dtype=torch.float)
+    sums = []
+    for part in (~shown, shown):
+        sums += [float(part.sum()), float(groups.rewards[part].sum()), float(formed[part].sum())]
+    n_bare, r_bare, f_bare, n_shown, r_shown, f_shown = dist_utils.sum_across_ranks(sums)
+
+    def mean(total: float, n: float) -> float | None:
+        return total / n if n else None
+
+    return {"fewshot_share": n_shown / max(n_bare + n_shown, 1.0),
+            "reward_bare": mean(r_bare, n_bare), "well_formed_bare": mean(f_bare, n_bare),
+            "reward_shown": mean(r_shown, n_shown), "well_formed_shown": mean(f_shown, n_shown)}
 
 
 def sample_rows(groups: Groups, G: int) -> list[dict[str, Any]]:
@@ -490,7 +541,7 @@ def finish(run: GRPORun, state: TrainState, tracker: Logger) -> dict[str, Any]:
         "adaptive": state.adaptive_log,
     }
     if run.rank == 0:
-        write_series_csv(run.paths.csv, series, CSV_COLUMNS)
+        write_series_csv(run.paths.csv, series, csv_columns(run.conf))
         save_policy(run.paths.out, run.policy, extra_state={"stage": run.stage, "summary": summary})
         tracker.log_artifact(run.paths.csv)
         shutil.rmtree(run.paths.resume, ignore_errors=True)
