@@ -5,7 +5,6 @@ resume, and bad input refused with the key or the file and row named."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -35,85 +34,135 @@ def _rows(n: int) -> list[dict]:
     return [{"question": f"What is {i} + 1?"} for i in range(n)]
 
 
-def _scaffold(share: float, iteration: int = 3, seed: int = 0, examples=("What is 0 + 1?",), fits=lambda q: True):
-    return Scaffold(lambda q: f"EXAMPLES {q}" if fits(q) else None, frozenset(examples), share, seed, iteration)
+SHARES = {1.0: (0, 0), 0.8: (2, 10), 0.5: (5, 10), 0.1: (9, 10), 0.0: (10, 10)}  # share: (iteration, fade)
+
+
+def _scaffold(share: float, seed: int = 0, examples=("What is 0 + 1?",), fits=lambda q: True, shift: int = 0):
+    iteration, fade = SHARES[share]
+    s = Scaffold(lambda q: f"EXAMPLES {q}" if fits(q) else None, frozenset(examples), fade, seed)
+    return s.at(iteration + shift) if shift else s.at(iteration)
 
 
 def test_every_row_but_the_examples_is_shown_at_share_one_and_none_at_zero():
     rows = _rows(50)
     full, none = _scaffold(1.0), _scaffold(0.0)
-    assert [full.shown(i, r) for i, r in enumerate(rows)] == [None] + [f"EXAMPLES {r['question']}" for r in rows[1:]]
-    assert all(none.shown(i, r) is None for i, r in enumerate(rows))
+    assert full.share == 1.0 and none.share == 0.0
+    assert [full.prompt_for(i, r) for i, r in enumerate(rows)] == [None] + [f"EXAMPLES {r['question']}" for r in rows[1:]]
+    assert all(none.prompt_for(i, r) is None for i, r in enumerate(rows))
     # a prompt that would not leave room for the rollout stays bare
     long_ones = _scaffold(1.0, fits=lambda q: "7" not in q)
-    assert [i for i, r in enumerate(rows) if long_ones.shown(i, r) is None] == [0, 7, 17, 27, 37, 47]
+    assert [i for i, r in enumerate(rows) if long_ones.prompt_for(i, r) is None] == [0, 7, 17, 27, 37, 47]
 
 
 @pytest.mark.parametrize("share", [0.1, 0.5, 0.8])
 def test_a_row_is_shown_with_the_share_and_the_same_row_alike_on_every_call(share):
     rows = _rows(4000)
-    draw = [_scaffold(share).shown(i, r) is not None for i, r in enumerate(rows)]
-    assert draw == [_scaffold(share).shown(i, r) is not None for i, r in enumerate(rows)]  # a resumed run: the same
+    scaffold = _scaffold(share)
+    assert scaffold.share == pytest.approx(share)
+    draw = [scaffold.prompt_for(i, r) is not None for i, r in enumerate(rows)]
+    assert draw == [_scaffold(share).prompt_for(i, r) is not None for i, r in enumerate(rows)]  # a resume: the same
     assert abs(sum(draw) / len(rows) - share) < 0.035  # ~4.5 standard errors at 4,000 rows
-    # another iteration or seed draws other rows, as often
-    for other in (_scaffold(share, iteration=4), _scaffold(share, seed=1)):
-        again = [other.shown(i, r) is not None for i, r in enumerate(rows)]
+    # the same share at another iteration, or another seed, draws other rows, as often
+    for other in (Scaffold(scaffold.prompt, scaffold.examples, scaffold.fade * 2, 0).at(scaffold.iteration * 2),
+                  _scaffold(share, seed=1)):
+        assert other.share == pytest.approx(share)
+        again = [other.prompt_for(i, r) is not None for i, r in enumerate(rows)]
         assert again != draw and abs(sum(again) / len(rows) - share) < 0.035
     # the draw takes nothing from torch's or Python's global streams
-    torch.manual_seed(5)
-    before = torch.rand(3)
-    torch.manual_seed(5)
     import random
+
+    torch.manual_seed(5)
     random.seed(9)
-    py = random.random()
+    before, py = torch.rand(3), random.random()
+    torch.manual_seed(5)
     random.seed(9)
-    [_scaffold(share).shown(i, r) for i, r in enumerate(rows[:50])]
+    [scaffold.prompt_for(i, r) for i, r in enumerate(rows[:50])]
     assert torch.equal(torch.rand(3), before) and random.random() == py
+
+
+def test_the_figures_are_over_every_group_rolled_out_and_summed_over_ranks(monkeypatch):
+    """Hand-computed: three groups of two, one shown the examples; then a second rank whose groups are
+    all shown, its sums added as the collective would."""
+    from types import SimpleNamespace
+
+    import pipeline.stages.grpo as grpo_stage
+
+    groups = SimpleNamespace(sampled=torch.tensor([[1.2, 0.0], [1.0, 1.0], [0.2, 0.0]]),
+                             sampled_shown=[True, False, False],
+                             sampled_formed=torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]))
+    got = grpo_stage.scaffold_metrics(groups)
+    assert got == pytest.approx({"fewshot_share": 1 / 3, "reward_bare": (1.0 + 1.0 + 0.2 + 0.0) / 4,
+                                 "well_formed_bare": 1 / 4, "reward_shown": 0.6, "well_formed_shown": 0.5})
+    other_rank = [0.0, 0.0, 0.0, 2.0, 4.4, 4.0]  # bare groups, rewards, tags; shown groups, rewards, tags
+    monkeypatch.setattr(grpo_stage.dist_utils, "sum_across_ranks",
+                        lambda values: [a + b for a, b in zip(values, other_rank)])
+    got = grpo_stage.scaffold_metrics(groups)
+    assert got == pytest.approx({"fewshot_share": 3 / 5, "reward_bare": 2.2 / 4, "well_formed_bare": 1 / 4,
+                                 "reward_shown": (1.2 + 4.4) / 6, "well_formed_shown": 5 / 6})
+    alone = SimpleNamespace(sampled=groups.sampled[1:], sampled_shown=[False, False],
+                            sampled_formed=groups.sampled_formed[1:])
+    monkeypatch.undo()
+    assert grpo_stage.scaffold_metrics(alone)["reward_shown"] is None
 
 
 # --------------------------------------------------------------------------- in the stage
 
 def _spy_prompts(monkeypatch) -> list[list[str]]:
-    """The prompts of every rollout the GRPO stage starts, per call (the real rollout runs)."""
+    """The prompts of every rollout the GRPO stage starts, per iteration (the real rollouts run)."""
     import pipeline.rl.group_sampling as gs
+    import pipeline.stages.grpo as grpo_stage
 
     seen: list[list[str]] = []
-    real = gs.rollout_prompts
+    real_rollout, real_sample = gs.rollout_prompts, grpo_stage.sample_groups
 
-    def recording(policy, prompts, *a, **k):
-        seen.append(list(prompts))
-        return real(policy, prompts, *a, **k)
+    def sampling(*a, **k):
+        seen.append([])
+        return real_sample(*a, **k)
 
-    monkeypatch.setattr(gs, "rollout_prompts", recording)
+    def rollout(policy, prompts, *a, **k):
+        seen[-1].extend(prompts)
+        return real_rollout(policy, prompts, *a, **k)
+
+    monkeypatch.setattr(gs, "rollout_prompts", rollout)
+    monkeypatch.setattr(grpo_stage, "sample_groups", sampling)
     return seen
 
 
 FADE = ("warmup.iterations=3", "warmup.fewshot_examples=2", "warmup.fewshot_fade=2", "warmup.prompts_per_iter=8",
-        "warmup.eval_every=0", "warmup.rollout_len=8")
+        "warmup.eval_every=0", "warmup.rollout_len=8", "warmup.max_sampling_rounds=2")
 
 
-def test_the_stage_rolls_out_the_examples_then_fades_them_out(workdir, monkeypatch):
-    """Iteration 1 shows every drawn prompt the first two training rows as worked examples, rendered
-    as evaluation's few-shot entries are; iteration 3 (share 0) shows none, so the stage ends on the
-    bare prompts. The series records the share and the bare and shown groups' figures."""
-    import pandas as pd
-
+def _scaffolded_prompts(cfg) -> tuple[dict[str, dict], dict[str, dict], list[tuple[str, str]]]:
+    """{bare prompt: row}, {prompt after the first two rows as worked examples: row}, the examples."""
     import pipeline.stages.grpo as grpo_stage
     from pipeline.data.prompts import fewshot_prompt
     from pipeline.data.schema import read_rows
 
-    seen = _spy_prompts(monkeypatch)
-    cfg = smoke_cfg(*FADE)
-    grpo_stage.run_grpo(cfg, "warmup")
     train = read_rows(Path("data/arith_train.jsonl"))
     shots = [(r["question"], r["solution"]) for r in train[:2]]
-    by_prompt = {r["prompt"]: r for r in train}
-    run = grpo_stage.setup(cfg, "warmup")
-    scaffolded = {fewshot_prompt(r["question"], shots, run.policy.tokenizer, cfg.data): r for r in train}
+    tok = grpo_stage.setup(cfg, "warmup").policy.tokenizer
+    return ({r["prompt"]: r for r in train}, {fewshot_prompt(r["question"], shots, tok, cfg.data): r for r in train},
+            shots)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_stage_rolls_out_the_examples_then_fades_them_out(workdir, monkeypatch, dynamic):
+    """Iteration 1 shows every drawn prompt the first two training rows as worked examples, rendered
+    as evaluation's few-shot entries are; iteration 3 (share 0) shows none, so the stage ends on the
+    bare prompts. The series records the share over every group rolled out (with dynamic sampling the
+    dropped ones included), and the bare and shown groups' figures."""
+    import pandas as pd
+
+    import pipeline.stages.grpo as grpo_stage
+
+    seen = _spy_prompts(monkeypatch)
+    cfg = smoke_cfg(*FADE, f"warmup.dynamic_sampling={str(dynamic).lower()}")
+    grpo_stage.run_grpo(cfg, "warmup")
+    by_prompt, scaffolded, shots = _scaffolded_prompts(cfg)
     first, last = seen[0], seen[-1]
-    assert len(seen) == 3 and len(first) == 8
-    assert all(p in scaffolded for p in first if p not in by_prompt)
-    assert sum(p in scaffolded for p in first) >= 7  # all but a drawn example row (bare)
+    assert len(seen) == 3 and len(first) >= 8
+    assert all(p in scaffolded or p in by_prompt for s in seen for p in s)
+    assert sum(p in scaffolded for p in first) >= len(first) - 2  # all but drawn example rows (bare)
     for p in first:  # the examples, worked, in order, then the row's own prompt
         if p in scaffolded:
             row = scaffolded[p]
@@ -122,9 +171,9 @@ def test_the_stage_rolls_out_the_examples_then_fades_them_out(workdir, monkeypat
     assert all(p in by_prompt for p in last)
     series = pd.read_csv("plots/warmup.csv")
     assert list(series.columns[-5:]) == grpo_stage.FEWSHOT_COLUMNS
-    assert series["fewshot_share"].iloc[0] >= 7 / 8 and series["fewshot_share"].iloc[2] == 0.0
-    shown_then = [sum(p in scaffolded for p in s) / len(s) for s in seen]
+    shown_then = [sum(p in scaffolded for p in s) / len(s) for s in seen]  # over every group rolled out
     assert list(series["fewshot_share"]) == pytest.approx(shown_then)
+    assert shown_then[0] >= 0.75 and shown_then[2] == 0.0
     assert series["reward_shown"].isna().iloc[2] and not series["reward_bare"].isna().iloc[2]
     assert ((series["well_formed_bare"].dropna() >= 0) & (series["well_formed_bare"].dropna() <= 1)).all()
 
@@ -173,22 +222,44 @@ def test_a_killed_scaffolded_warmup_resumes_bit_identically(workdir, monkeypatch
 
 # --------------------------------------------------------------------------- bad input
 
-def test_a_fade_without_examples_is_refused_naming_the_key():
+def test_a_fade_without_examples_or_past_the_last_iteration_is_refused_naming_the_key():
     from pipeline.core.config_loading import ConfigError
 
     with pytest.raises(ConfigError, match=r"grpo.fewshot_fade = 10 is out of range; allowed: 0 unless "
                                           r"grpo.fewshot_examples > 0"):
         smoke_cfg("grpo.fewshot_fade=10")
+    with pytest.raises(ConfigError, match=r"warmup.fewshot_fade = 4 is out of range; allowed: an integer in "
+                                          r"\[0, warmup.iterations\]"):
+        smoke_cfg("warmup.iterations=3", "warmup.fewshot_examples=2", "warmup.fewshot_fade=4")
     with pytest.raises(ConfigError, match=r"warmup.fewshot_examples = 17 is out of range"):
         smoke_cfg("warmup.fewshot_examples=17")
+    smoke_cfg("warmup.iterations=3", "warmup.fewshot_examples=2", "warmup.fewshot_fade=3")
 
 
-def test_an_example_row_without_a_worked_solution_is_refused_naming_file_and_row(workdir):
+def test_examples_that_leave_no_room_for_the_rollout(workdir, caplog):
+    """A context where the examples fit before the shortest questions only: the longer prompts stay bare
+    (logged once); a context too short for the examples alone is refused naming the key and the limits."""
     import pipeline.stages.grpo as grpo_stage
 
-    path = Path("data/arith_train.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    del rows[1]["solution"]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(InputError, match=r"^data/arith_train.jsonl:2: missing or non-text 'solution'"):
-        grpo_stage.setup(smoke_cfg(*FADE), "warmup")
+    cfg = smoke_cfg(*FADE)
+    run = grpo_stage.setup(cfg, "warmup")
+    tok, limit = run.policy.tokenizer, run.policy.max_len
+    _, scaffolded, _ = _scaffolded_prompts(cfg)
+    lengths = sorted({len(tok.encode(p)) for p in scaffolded})
+    assert len(lengths) > 1
+    cfg = smoke_cfg(*FADE, f"warmup.rollout_len={limit - lengths[0]}")
+    run = grpo_stage.setup(cfg, "warmup")
+    rows = run.train_rows
+    with caplog.at_level("WARNING", logger="pipeline"):
+        shown = [run.scaffold.prompt_for(i, r) for i, r in enumerate(rows[:200])]
+    assert caplog.text.count("some prompts leave no room") == 1
+    assert any(p is None for p in shown[2:]) and all(p is None or len(tok.encode(p)) == lengths[0] for p in shown)
+    from pipeline.data.prompts import fewshot_prompt
+
+    alone = len(tok.encode(fewshot_prompt("", _scaffolded_prompts(cfg)[2], tok, cfg.data)))
+    assert alone < lengths[0]
+    with pytest.raises(InputError, match=rf"^warmup.fewshot_examples = 2: the worked examples of "
+                                         rf"data/arith_train.jsonl alone take {alone} tokens, more than the "
+                                         rf"{alone - 1} a prompt may have with warmup.rollout_len = "
+                                         rf"{limit - alone + 1} in model.block_size = {limit}; allowed: "):
+        grpo_stage.setup(smoke_cfg(*FADE, f"warmup.rollout_len={limit - alone + 1}"), "warmup")

@@ -282,12 +282,13 @@ class GRPOConfig:
     own `(completion, gold) -> float` in a module under pipeline/rewards/plugins/ (a DVC dep), checked at start."""
     fewshot_examples: Annotated[Int, Field(ge=0, le=16)] = 0
     """Worked examples shown before a training prompt's question: the first N rows of the stage's training
-    file, rendered as `evaluate.fewshot_examples` renders them (a scaffold for a pretrained model that does
-    not yet write the answer format; rows that are themselves examples stay bare); 0 = none."""
+    file, rendered as evaluate's few-shot entries are (its `fewshot_examples` is set apart); a scaffold for a
+    pretrained model that does not yet write the answer format. Rows asking an example's question stay bare.
+    0 = none."""
     fewshot_fade: NonNegInt = 0
-    """With `fewshot_examples`: the share of prompts shown the examples falls linearly from 1 at the first
-    iteration to 0 at this one (each prompt drawn with that chance, seeded), so the stage ends on the bare
-    prompts evaluation scores; 0 = every prompt is shown them throughout."""
+    """With `fewshot_examples`: the share of drawn prompts shown the examples falls linearly from 1 at the
+    first iteration to 0 from iteration `fewshot_fade` + 1 on (seeded per iteration and row), so the stage
+    ends on the bare prompt evaluation scores; at most `iterations`. 0 = shown every prompt throughout."""
     grad_clip: PosFloat = 1.0
     """Max global gradient norm."""
     dynamic_sampling: bool = False

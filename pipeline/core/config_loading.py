@@ -71,6 +71,8 @@ def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bo
          f"a multiple of {name}.nproc (each process takes an equal share of a minibatch's groups)"),
         (f"{name}.fewshot_fade", g.fewshot_fade == 0 or g.fewshot_examples > 0,
          f"0 unless {name}.fewshot_examples > 0 (it fades the worked examples out)"),
+        (f"{name}.fewshot_fade", g.fewshot_fade <= g.iterations,
+         f"an integer in [0, {name}.iterations] (the examples are gone by the last iteration)"),
     ]
 
 

@@ -18,11 +18,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from pipeline.core import distributed as dist_utils
 from pipeline.core.config import GRPOConfig
 from pipeline.core.errors import InputError
 from pipeline.model.policy import Policy
+from pipeline.rewards.verifiers import has_well_formed_answer
 from pipeline.rl.loss import informative_groups
 from pipeline.rl.rollout import Rollout, rollout_prompts
 
@@ -44,27 +46,39 @@ Verifier = Callable[[str], Callable[[str, Any], float]]  # a row's `source` -> (
 # --------------------------------------------------------------------------- worked-example scaffold
 
 def scaffold_share(iteration: int, fade: int) -> float:
-    """The share of prompts shown the worked examples at 0-based `iteration`: 1, falling linearly to 0
-    at iteration `fade` (0: 1 throughout)."""
+    """The share of prompts shown the worked examples at 0-based `iteration`: 1 at the first, falling
+    linearly to 0 at 0-based iteration `fade` (the series' iteration `fade` + 1) and after; `fade` 0: 1
+    throughout."""
     return 1.0 if fade == 0 else max(0.0, 1.0 - iteration / fade)
 
 
 @dataclass(frozen=True)
 class Scaffold:
-    """This iteration's worked-example scaffold (`<stage>.fewshot_examples` / `fewshot_fade`)."""
+    """The worked-example scaffold of a stage (`<stage>.fewshot_examples` / `fewshot_fade`) at one
+    iteration (:meth:`at`)."""
 
     prompt: Callable[[str], str | None]  # a question -> its prompt after the examples; None: it would not fit
-    examples: frozenset[str]  # the examples' own questions: those rows stay bare
-    share: float  # each drawn row's chance of being shown the examples
+    examples: frozenset[str]  # the examples' own questions: rows asking one of them stay bare (no answer leak)
+    fade: int  # `fewshot_fade`
     seed: int
-    iteration: int
+    iteration: int = 0  # 0-based
 
-    def shown(self, index: int, row: dict[str, Any]) -> str | None:
-        """The scaffolded prompt of training row `index`, or None where it stays bare: a seeded draw
-        per (seed, iteration, row), independent of every other random stream."""
-        if self.share <= 0.0 or row["question"] in self.examples:
+    @property
+    def share(self) -> float:
+        """Each drawn row's chance of being shown the examples at this iteration."""
+        return scaffold_share(self.iteration, self.fade)
+
+    def at(self, iteration: int) -> Scaffold:
+        return dataclasses.replace(self, iteration=iteration)
+
+    def prompt_for(self, index: int, row: dict[str, Any]) -> str | None:
+        """The scaffolded prompt of the row at position `index` of the training rows, or None where it
+        stays bare: a seeded draw per (seed, iteration, position), independent of every other random
+        stream, so a resumed run shows the same rows the examples."""
+        share = self.share
+        if share <= 0.0 or row["question"] in self.examples:
             return None
-        if self.share < 1.0 and random.Random(f"fewshot:{self.seed}:{self.iteration}:{index}").random() >= self.share:
+        if share < 1.0 and random.Random(f"fewshot:{self.seed}:{self.iteration}:{index}").random() >= share:
             return None
         return self.prompt(row["question"])
 
@@ -131,7 +145,10 @@ class Groups:
     dropped: int  # groups dropped for zero variance
     cursor: Cursor  # the prompt cursor after this iteration's draws
     times: dict[str, float]  # seconds in rollout and scoring
-    shown: list[bool] = field(default_factory=list)  # per kept row: shown the worked examples (Scaffold)
+    # with a scaffold, per group rolled out (the dropped ones included, in `sampled`'s order): shown the
+    # worked examples, and each completion's well-formed `<answer>` flag (groups, G); empty without one
+    sampled_shown: list[bool]
+    sampled_formed: torch.Tensor
 
 
 def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, verifier: Verifier) -> torch.Tensor:
@@ -148,7 +165,8 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
     `scaffold`: worked examples shown before some prompts; None: every prompt bare."""
     G, per_rank = conf.group_size, conf.prompts_per_iter // world
     kept_rows: list[dict[str, Any]] = []
-    kept_shown: list[bool] = []
+    shown: list[bool] = []
+    formed: list[torch.Tensor] = []
     kept: list[tuple[Rollout, list[int]]] = []
     kept_rewards: list[torch.Tensor] = []
     sampled: list[torch.Tensor] = []
@@ -165,7 +183,7 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         if not idx:  # this rank is full; it still drew so that its cursor stays in step
             continue
         batch = [rows[i] for i in idx]
-        scaffolded = [scaffold.shown(i, rows[i]) if scaffold else None for i in idx]
+        scaffolded = [scaffold.prompt_for(i, rows[i]) if scaffold else None for i in idx]
         t0 = time.perf_counter()
         ro = rollout_prompts(policy, [s or r["prompt"] for r, s in zip(batch, scaffolded)], G, conf.rollout_len,
                              conf.temperature, conf.top_p, conf.top_k, generator=generator)
@@ -175,6 +193,9 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         times["scoring"] += time.perf_counter() - t1
         sampled.append(rewards)
         sampled_idx += idx
+        if scaffold:
+            shown += [p is not None for p in scaffolded]
+            formed.append(torch.tensor([has_well_formed_answer(t) for t in ro.texts], dtype=torch.float).view(-1, G))
         informative = informative_groups(rewards, G)
         for j, row in enumerate(batch):
             # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)
@@ -182,14 +203,13 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
                 dropped += 1
                 continue
             kept_rows.append(row)
-            kept_shown.append(scaffolded[j] is not None)
             kept.append((ro, list(range(j * G, (j + 1) * G))))
             kept_rewards.append(rewards[j])
         if not conf.dynamic_sampling:
             break
     rollout = select_rollouts(kept[:per_rank], policy.tokenizer.pad_id)
     return Groups(kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), torch.cat(sampled), sampled_idx,
-                  dropped, cursor, times, kept_shown[:per_rank])
+                  dropped, cursor, times, shown, torch.cat(formed) if formed else torch.empty(0, G))
 
 
 def select_rollouts(parts: list[tuple[Rollout, list[int]]], pad_id: int) -> Rollout:

@@ -25,7 +25,6 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,10 +41,10 @@ from pipeline.data.schema import read_rows
 from pipeline.model import fast
 from pipeline.model.lora import AdaptersOff, add_lora
 from pipeline.model.policy import Policy
-from pipeline.rewards.verifiers import has_well_formed_answer, rewards_by_source
+from pipeline.rewards.verifiers import rewards_by_source
 from pipeline.rl.generation import greedy_accuracy
 from pipeline.rl.group_sampling import (Groups, Scaffold, Verifier, count_levels, fitting_rows, level_keep, level_rates,
-                                     row_levels, sample_groups, scaffold_share)
+                                     row_levels, sample_groups)
 from pipeline.rl.loss import group_advantages, grpo_loss, informative_fraction, loss_units
 from pipeline.tracking import Logger, stage_logger
 from pipeline.train.checkpoint import check_architecture, load_policy, save_policy
@@ -62,8 +61,8 @@ REFERENCE = "sft"
 CSV_COLUMNS = ["iteration", "reward", "reward_std", "informative", "kl", "clipfrac", "loss", "grad_norm",
                "response_len", "truncated", "entropy", "lr", "dropped_groups", "reward_sampled",
                "informative_sampled", "skipped_steps", "accuracy"]  # no wall-clock figure: the file is git-tracked
-# with `fewshot_examples`: the share of groups shown worked examples, and the reward and well-formed rate of
-# the bare ones (the prompts evaluation scores) and of the shown ones
+# with `fewshot_examples`, over every group rolled out: the share shown the worked examples, and the reward and
+# well-formed `<answer>` rate of the bare groups (the prompt evaluation scores) and of the shown ones
 FEWSHOT_COLUMNS = ["fewshot_share", "reward_bare", "well_formed_bare", "reward_shown", "well_formed_shown"]
 
 
@@ -126,7 +125,7 @@ class GRPORun:
     rank: int = 0
     world: int = 1
     levels: list[int] | None = None  # each training row's curriculum level, where prompts are drawn by level
-    scaffold: tuple[Callable[[str], str | None], frozenset[str]] | None = None  # fewshot_examples: (prompt, examples)
+    scaffold: Scaffold | None = None  # `fewshot_examples`: the worked examples, at iteration 0
 
 
 # --------------------------------------------------------------------------- the loop
@@ -181,8 +180,7 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
     if run.levels is not None:  # warmup.level_sampling = informative
         state.level_counts = state.level_counts or {str(v): [0.0, 0.0] for v in sorted(set(run.levels))}
         keep, chance = level_keep(state.level_counts, run.levels, conf.level_floor)
-    scaffold = (Scaffold(*run.scaffold, scaffold_share(state.iteration, conf.fewshot_fade), conf.seed, state.iteration)
-                if run.scaffold else None)
+    scaffold = run.scaffold.at(state.iteration) if run.scaffold else None
     groups = sample_groups(run.policy, run.train_rows, (state.prompt_epoch, state.prompt_pos), conf, verifier,
                            run.generator, run.rank, run.world, keep, scaffold)
     state.prompt_epoch, state.prompt_pos = groups.cursor
@@ -260,26 +258,41 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
     # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
     generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
-    scaffold = scaffold_prompts(policy, paths.train, cfg, stage) if conf.fewshot_examples else None
+    scaffold = worked_examples(policy, paths.train, cfg, stage) if conf.fewshot_examples else None
     return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world,
                    levels, scaffold)
 
 
-def scaffold_prompts(policy: Policy, path: Path, cfg: Config, stage: str) -> tuple[Callable[[str], str | None],
-                                                                                   frozenset[str]]:
-    """`<stage>.fewshot_examples`: the worked examples (the first N rows of the training file `path`, as
-    evaluate's few-shot entries take them from it) and the prompt of a question after them, None where that
-    prompt leaves no room for the rollout in the model's context (the row then stays bare)."""
+def worked_examples(policy: Policy, path: Path, cfg: Config, stage: str) -> Scaffold:
+    """`<stage>.fewshot_examples`: the first N rows of the training file `path` as worked examples (where
+    evaluate's few-shot entries take theirs from) and the prompt of a question after them. A prompt that
+    leaves no room for the rollout in the model's context stays bare (logged once); an InputError where
+    the examples alone leave none."""
     conf: GRPOConfig = getattr(cfg, stage)
-    rows = read_rows(path, conf.fewshot_examples)  # each row's question and solution checked (file:line named)
-    shots = [(r["question"], r["solution"]) for r in rows]
-    budget = None if policy.max_len is None else policy.max_len - conf.rollout_len
+    shots = [(r["question"], r["solution"]) for r in read_rows(path, conf.fewshot_examples)]
+    limit = policy.max_len
+    budget = None if limit is None else limit - conf.rollout_len
+    told = False
 
     def prompt(question: str) -> str | None:
+        nonlocal told
         text = fewshot_prompt(question, shots, policy.tokenizer, cfg.data)
-        return text if budget is None or len(policy.tokenizer.encode(text)) <= budget else None
+        if budget is None or len(policy.tokenizer.encode(text)) <= budget:
+            return text
+        if not told:
+            log.warning("%s: with %s.fewshot_examples = %d worked examples some prompts leave no room for "
+                        "%s.rollout_len = %d tokens in the %d-token context; those stay bare", stage, stage,
+                        conf.fewshot_examples, stage, conf.rollout_len, limit)
+            told = True
+        return None
 
-    return prompt, frozenset(q for q, _ in shots)
+    alone = len(policy.tokenizer.encode(fewshot_prompt("", shots, policy.tokenizer, cfg.data)))
+    if budget is not None and alone > budget:
+        raise InputError(f"{stage}.fewshot_examples = {conf.fewshot_examples}: the worked examples of {path} alone "
+                         f"take {alone} tokens, more than the {budget} a prompt may have with {stage}.rollout_len = "
+                         f"{conf.rollout_len} in model.block_size = {limit}; allowed: fewer examples, a shorter "
+                         f"rollout or a longer context")
+    return Scaffold(prompt, frozenset(q for q, _ in shots), conf.fewshot_fade, conf.seed)
 
 
 def check_reference(paths: StagePaths, policy: Policy, ref: Policy) -> None:
@@ -460,26 +473,28 @@ def iteration_metrics(run: GRPORun, state: TrainState, groups: Groups, stats: di
         "time_logprobs": times["update"] - times["logprobs"], "time_update": times["end"] - times["update"],
     })
     if run.conf.fewshot_examples:
-        metrics.update(scaffold_metrics(groups, G))
+        metrics.update(scaffold_metrics(groups))
     return metrics
 
 
-def scaffold_metrics(groups: Groups, G: int) -> dict[str, float | None]:
-    """The share of kept groups shown the worked examples, and the mean reward and well-formed `<answer>`
-    rate of the bare and of the shown groups' completions (None where there were none), over ranks."""
-    shown = torch.tensor(groups.shown, dtype=torch.bool).repeat_interleave(G)
-    formed = torch.tensor([has_well_formed_answer(t) for t in groups.rollout.texts], dtype=torch.float)
+def scaffold_metrics(groups: Groups) -> dict[str, float | None]:
+    """Over every group rolled out (dynamic sampling's dropped ones included), summed over ranks: the
+    share shown the worked examples, and the mean reward and well-formed `<answer>` rate of the bare and
+    of the shown groups' completions (None where there were none)."""
+    shown = torch.tensor(groups.sampled_shown, dtype=torch.bool)
+    rewards, formed = groups.sampled, groups.sampled_formed  # (groups, G)
+    G = rewards.shape[1]
     sums = []
     for part in (~shown, shown):
-        sums += [float(part.sum()), float(groups.rewards[part].sum()), float(formed[part].sum())]
-    n_bare, r_bare, f_bare, n_shown, r_shown, f_shown = dist_utils.sum_across_ranks(sums)
+        sums += [float(part.sum()), float(rewards[part].sum()), float(formed[part].sum())]
+    g_bare, r_bare, f_bare, g_shown, r_shown, f_shown = dist_utils.sum_across_ranks(sums)
 
-    def mean(total: float, n: float) -> float | None:
-        return total / n if n else None
+    def mean(total: float, n_groups: float) -> float | None:
+        return total / (n_groups * G) if n_groups else None
 
-    return {"fewshot_share": n_shown / max(n_bare + n_shown, 1.0),
-            "reward_bare": mean(r_bare, n_bare), "well_formed_bare": mean(f_bare, n_bare),
-            "reward_shown": mean(r_shown, n_shown), "well_formed_shown": mean(f_shown, n_shown)}
+    return {"fewshot_share": g_shown / max(g_bare + g_shown, 1.0),
+            "reward_bare": mean(r_bare, g_bare), "well_formed_bare": mean(f_bare, g_bare),
+            "reward_shown": mean(r_shown, g_shown), "well_formed_shown": mean(f_shown, g_shown)}
 
 
 def sample_rows(groups: Groups, G: int) -> list[dict[str, Any]]:
@@ -496,7 +511,9 @@ def adapt_curriculum(conf: GRPOConfig, state: TrainState, metrics: dict[str, Any
         return
     acc, it = metrics.get("accuracy"), state.iteration
     decision = None
-    if acc is not None and metrics["reward"] >= conf.exit_reward and acc >= conf.exit_accuracy:
+    # not while worked examples are shown: their groups' reward is not the bare prompt's
+    if (acc is not None and metrics["reward"] >= conf.exit_reward and acc >= conf.exit_accuracy
+            and not metrics.get("fewshot_share")):
         if it < state.total_iters:
             decision = (f"iteration {it}: reward {metrics['reward']:.3f} and accuracy {acc:.3f} "
                         f"passed the thresholds; leaving the warmup early")
