@@ -88,21 +88,71 @@ def test_the_figures_are_over_every_group_rolled_out_and_summed_over_ranks(monke
     import pipeline.stages.grpo as grpo_stage
 
     groups = SimpleNamespace(sampled=torch.tensor([[1.2, 0.0], [1.0, 1.0], [0.2, 0.0]]),
-                             sampled_shown=[True, False, False],
+                             sampled_shown=torch.tensor([[True, True], [False, False], [False, False]]),
                              sampled_formed=torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]))
     got = grpo_stage.scaffold_metrics(groups)
     assert got == pytest.approx({"fewshot_share": 1 / 3, "reward_bare": (1.0 + 1.0 + 0.2 + 0.0) / 4,
                                  "well_formed_bare": 1 / 4, "reward_shown": 0.6, "well_formed_shown": 0.5})
-    other_rank = [0.0, 0.0, 0.0, 2.0, 4.4, 4.0]  # bare groups, rewards, tags; shown groups, rewards, tags
+    other_rank = [0.0, 0.0, 0.0, 4.0, 4.4, 4.0]  # bare completions, rewards, tags; shown ones, rewards, tags
     monkeypatch.setattr(grpo_stage.dist_utils, "sum_across_ranks",
                         lambda values: [a + b for a, b in zip(values, other_rank)])
     got = grpo_stage.scaffold_metrics(groups)
     assert got == pytest.approx({"fewshot_share": 3 / 5, "reward_bare": 2.2 / 4, "well_formed_bare": 1 / 4,
                                  "reward_shown": (1.2 + 4.4) / 6, "well_formed_shown": 5 / 6})
-    alone = SimpleNamespace(sampled=groups.sampled[1:], sampled_shown=[False, False],
+    alone = SimpleNamespace(sampled=groups.sampled[1:], sampled_shown=groups.sampled_shown[1:],
                             sampled_formed=groups.sampled_formed[1:])
     monkeypatch.undo()
     assert grpo_stage.scaffold_metrics(alone)["reward_shown"] is None
+    # guide mode: part of a group shown
+    mixed = SimpleNamespace(sampled=torch.tensor([[1.2, 1.2, 1.0, 0.0]]), sampled_shown=torch.tensor([[True, False, False, False]]),
+                            sampled_formed=torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
+    assert grpo_stage.scaffold_metrics(mixed) == pytest.approx({
+        "fewshot_share": 0.25, "reward_bare": 2.2 / 3, "well_formed_bare": 1 / 3, "reward_shown": 1.2,
+        "well_formed_shown": 1.0})
+
+
+@pytest.mark.parametrize(("share", "G", "k"), [(1.0, 8, 4), (0.8, 8, 3), (0.5, 8, 2), (0.1, 8, 0), (0.0, 8, 0),
+                                              (1.0, 4, 2), (0.5, 4, 1), (1.0, 2, 1)])
+def test_guide_mode_samples_half_a_group_after_the_examples_at_share_one(share, G, k):
+    iteration, fade = SHARES[share]
+    assert Scaffold(lambda q: q, frozenset(), fade, 0, "guide").at(iteration).guided(G) == k
+
+
+def test_a_guided_rollout_is_the_examples_responses_after_the_bare_prompt(grpo_prepared):
+    """Each row's first k completions are those the plain rollout samples after the examples, the rest
+    those it samples after the bare prompt (the same generator, in that order); every one of the G
+    follows the bare prompt's token ids, so the update trains them as its answers. A row without a
+    scaffolded prompt (an example row) gets G bare completions."""
+    from pipeline.rl.group_sampling import guided_rollout, select_rollouts
+    from pipeline.rl.rollout import rollout_prompts
+    from pipeline.train.checkpoint import load_policy
+
+    policy = load_policy(grpo_prepared / "checkpoints" / "sft")
+    tok, G, k = policy.tokenizer, 4, 1
+    conf = smoke_cfg("warmup.group_size=4", "warmup.rollout_len=6").warmup
+    batch = [{"prompt": f"Question: What is {i} + 2?\nAnswer:"} for i in range(3)]
+    scaffolded = ["Question: 1 + 1?\nAnswer: <answer>2</answer>\n\n" + batch[0]["prompt"], None,
+                  "Question: 1 + 1?\nAnswer: <answer>2</answer>\n\n" + batch[2]["prompt"]]
+    gen = torch.Generator().manual_seed(3)
+    ro, guided = guided_rollout(policy, batch, scaffolded, k, conf, gen)
+    assert guided.tolist() == [[True, False, False, False], [False] * 4, [True, False, False, False]]
+    gen = torch.Generator().manual_seed(3)
+    args = (conf.rollout_len, conf.temperature, conf.top_p, conf.top_k)
+    ref_guided = rollout_prompts(policy, [scaffolded[0], scaffolded[2]], k, *args, generator=gen)
+    ref_rest = rollout_prompts(policy, [batch[0]["prompt"], batch[2]["prompt"]], G - k, *args, generator=gen)
+    ref_plain = rollout_prompts(policy, [batch[1]["prompt"]], G, *args, generator=gen)
+    order = [(ref_guided, [0]), (ref_rest, [0, 1, 2]), (ref_plain, [0, 1, 2, 3]), (ref_guided, [1]), (ref_rest, [3, 4, 5])]
+    ref = select_rollouts(order, tok.pad_id)
+    assert ro.texts == ref.texts
+    P = ro.prompt_len
+    for i in range(len(ro.texts)):
+        j = i // G
+        prompt = ro.input_ids[i, :P][ro.attention_mask[i, :P].bool()].tolist()
+        assert prompt == tok.encode(batch[j]["prompt"])  # every completion follows the bare prompt
+        mine = ro.input_ids[i, P:][ro.response_mask[i, P:].bool()]
+        theirs = ref.input_ids[i, ref.prompt_len:][ref.response_mask[i, ref.prompt_len:].bool()]
+        assert torch.equal(mine, theirs) and int(ro.response_lengths[i]) == int(ref.response_lengths[i])
+    assert torch.equal(ro.truncated, ref.truncated)
 
 
 # --------------------------------------------------------------------------- in the stage
@@ -178,6 +228,45 @@ def test_the_stage_rolls_out_the_examples_then_fades_them_out(workdir, monkeypat
     assert ((series["well_formed_bare"].dropna() >= 0) & (series["well_formed_bare"].dropna() <= 1)).all()
 
 
+def test_guide_mode_trains_every_completion_as_the_bare_prompts_answer(workdir, monkeypatch):
+    """In `guide` mode the first iteration samples half of each group after the examples (the share
+    in the series: 1/2 less the example rows), every row the update trains starts with a bare prompt,
+    and the old log-probs are recomputed, not the guided sampling's (they belong to another prompt)."""
+    import pandas as pd
+
+    import pipeline.stages.grpo as grpo_stage
+
+    seen = _spy_prompts(monkeypatch)
+    trained: list[torch.Tensor] = []
+    sampled_arg: list[object] = []
+    real_update, real_old = grpo_stage.update, grpo_stage.old_and_ref_logprobs
+
+    def update(policy, optimizer, conf, batch, *a, **k):
+        trained.append(batch.input_ids[:, : batch.start].clone())
+        return real_update(policy, optimizer, conf, batch, *a, **k)
+
+    def old_and_ref(run, ids, attn, start, sampled=None):
+        sampled_arg.append(sampled)
+        return real_old(run, ids, attn, start, sampled)
+
+    monkeypatch.setattr(grpo_stage, "update", update)
+    monkeypatch.setattr(grpo_stage, "old_and_ref_logprobs", old_and_ref)
+    cfg = smoke_cfg(*FADE, "warmup.fewshot_mode=guide")
+    grpo_stage.run_grpo(cfg, "warmup")
+    by_prompt, scaffolded, _ = _scaffolded_prompts(cfg)
+    tok = grpo_stage.setup(cfg, "warmup").policy.tokenizer
+    bare_ids = {tuple(tok.encode(p)) for p in by_prompt}
+    for prompts in trained:
+        for row in prompts:
+            assert tuple(t for t in row.tolist() if t != tok.pad_id) in bare_ids
+    assert any(p in scaffolded for p in seen[0]) and all(p in by_prompt for p in seen[-1])
+    series = pd.read_csv("plots/warmup.csv")
+    example_rows = sum(p in by_prompt and p not in scaffolded for p in seen[0])
+    assert 0 < series["fewshot_share"].iloc[0] <= 0.5 and series["fewshot_share"].iloc[2] == 0.0
+    assert sampled_arg[0] is None and sampled_arg[2] is not None  # guided: recomputed; none guided: reused
+    assert example_rows >= 0
+
+
 def test_without_examples_the_series_keeps_its_columns(workdir):
     import pandas as pd
 
@@ -187,7 +276,8 @@ def test_without_examples_the_series_keeps_its_columns(workdir):
     assert list(pd.read_csv("plots/warmup.csv").columns) == grpo_stage.CSV_COLUMNS
 
 
-def test_a_killed_scaffolded_warmup_resumes_bit_identically(workdir, monkeypatch, caplog):
+@pytest.mark.parametrize("mode", ["prompt", "guide"])
+def test_a_killed_scaffolded_warmup_resumes_bit_identically(workdir, monkeypatch, caplog, mode):
     """Stopped right after its resume state at iteration 2 (share 1/2) and run again, the warmup ends
     with the weights and series of an uninterrupted run, bit for bit (CPU): which rows are shown the
     examples is a function of the seed, iteration and row, not a stream the resume would have to hold."""
@@ -195,7 +285,7 @@ def test_a_killed_scaffolded_warmup_resumes_bit_identically(workdir, monkeypatch
 
     cfg = smoke_cfg("warmup.iterations=4", "warmup.save_every=2", "warmup.fewshot_examples=2",
                     "warmup.fewshot_fade=4", "warmup.prompts_per_iter=8", "warmup.eval_every=0",
-                    "warmup.rollout_len=8")
+                    "warmup.rollout_len=8", f"warmup.fewshot_mode={mode}")
     grpo_stage.run_grpo(cfg, "warmup")
     whole, series = weights(Path("checkpoints/warmup")), Path("plots/warmup.csv").read_text()
 

@@ -289,6 +289,11 @@ class GRPOConfig:
     """With `fewshot_examples`: the share of drawn prompts shown the examples falls linearly from 1 at the
     first iteration to 0 from iteration `fewshot_fade` + 1 on (seeded per iteration and row), so the stage
     ends on the bare prompt evaluation scores; at most `iterations`. 0 = shown every prompt throughout."""
+    fewshot_mode: Literal["prompt", "guide"] = "prompt"
+    """With `fewshot_examples`: `prompt` trains a drawn prompt as shown (the share: each prompt's chance);
+    `guide` samples round(share x G / 2) of every group's G completions after the examples and trains all G
+    as answers to the bare prompt, so each group sets the examples' answer format against the bare
+    prompt's own answers (the guided ones are off-policy: their old log-probs are the bare prompt's)."""
     grad_clip: PosFloat = 1.0
     """Max global gradient norm."""
     dynamic_sampling: bool = False

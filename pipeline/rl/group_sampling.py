@@ -8,8 +8,10 @@
   fresh prompt, for up to ``max_sampling_rounds`` rollout rounds.
 - ``fitting_rows``: the prompts that leave room for the rollout in the model's context.
 - ``Scaffold``: `fewshot_examples` worked examples shown before a drawn prompt's question, with a
-  share that fades (``scaffold_share``); which rows are shown them is a seeded draw per iteration and
-  row, so a resumed run shows the same ones and no sampling stream moves.
+  share that fades (``scaffold_share``). `prompt` mode: which rows are shown them is a seeded draw per
+  iteration and row, so a resumed run shows the same ones and no sampling stream moves. `guide` mode:
+  part of every group is sampled after the examples and trained as answers to the bare prompt
+  (``guided_rollout``).
 - ``level_keep`` / ``count_levels``: the warmup's `level_sampling = informative`: each drawn prompt
   is kept with its curriculum level's chance (its estimated informative-group rate over the best
   level's), so the rollouts go where the verifier's signal is; the skipped rows are passed over in the
@@ -35,7 +37,7 @@ from pipeline.core.errors import InputError
 from pipeline.model.policy import Policy
 from pipeline.rewards.verifiers import has_well_formed_answer
 from pipeline.rl.loss import informative_groups
-from pipeline.rl.rollout import Rollout, rollout_prompts
+from pipeline.rl.rollout import Rollout, left_pad, rollout_prompts
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class Scaffold:
     examples: frozenset[str]  # the examples' own questions: rows asking one of them stay bare (no answer leak)
     fade: int  # `fewshot_fade`
     seed: int
+    mode: str = "prompt"  # `fewshot_mode`
     iteration: int = 0  # 0-based
 
     @property
@@ -71,6 +74,11 @@ class Scaffold:
     def at(self, iteration: int) -> Scaffold:
         return dataclasses.replace(self, iteration=iteration)
 
+    def guided(self, group_size: int) -> int:
+        """`guide` mode: how many of a group's completions are sampled after the examples (half the
+        group at share 1, rounded half up)."""
+        return int(self.share * group_size / 2 + 0.5)
+
     def prompt_for(self, index: int, row: dict[str, Any]) -> str | None:
         """The scaffolded prompt of the row at position `index` of the training rows, or None where it
         stays bare: a seeded draw per (seed, iteration, position), independent of every other random
@@ -78,7 +86,7 @@ class Scaffold:
         share = self.share
         if share <= 0.0 or row["question"] in self.examples:
             return None
-        if share < 1.0 and random.Random(f"fewshot:{self.seed}:{self.iteration}:{index}").random() >= share:
+        if self.mode == "prompt" and share < 1.0 and random.Random(f"fewshot:{self.seed}:{self.iteration}:{index}").random() >= share:
             return None
         return self.prompt(row["question"])
 
@@ -145,10 +153,11 @@ class Groups:
     dropped: int  # groups dropped for zero variance
     cursor: Cursor  # the prompt cursor after this iteration's draws
     times: dict[str, float]  # seconds in rollout and scoring
-    # with a scaffold, per group rolled out (the dropped ones included, in `sampled`'s order): shown the
-    # worked examples, and each completion's well-formed `<answer>` flag (groups, G); empty without one
-    sampled_shown: list[bool]
+    # with a scaffold, per completion of every group rolled out (the dropped ones included, in `sampled`'s
+    # order), (groups, G): sampled after the worked examples, and a well-formed `<answer>`; empty without one
+    sampled_shown: torch.Tensor
     sampled_formed: torch.Tensor
+    off_policy: bool  # some completions were sampled after another prompt than the one they are trained on
 
 
 def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, verifier: Verifier) -> torch.Tensor:
@@ -165,7 +174,7 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
     `scaffold`: worked examples shown before some prompts; None: every prompt bare."""
     G, per_rank = conf.group_size, conf.prompts_per_iter // world
     kept_rows: list[dict[str, Any]] = []
-    shown: list[bool] = []
+    shown: list[torch.Tensor] = []
     formed: list[torch.Tensor] = []
     kept: list[tuple[Rollout, list[int]]] = []
     kept_rewards: list[torch.Tensor] = []
@@ -185,8 +194,12 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         batch = [rows[i] for i in idx]
         scaffolded = [scaffold.prompt_for(i, rows[i]) if scaffold else None for i in idx]
         t0 = time.perf_counter()
-        ro = rollout_prompts(policy, [s or r["prompt"] for r, s in zip(batch, scaffolded)], G, conf.rollout_len,
-                             conf.temperature, conf.top_p, conf.top_k, generator=generator)
+        if scaffold and scaffold.mode == "guide":
+            ro, guided = guided_rollout(policy, batch, scaffolded, scaffold.guided(G), conf, generator)
+        else:
+            ro = rollout_prompts(policy, [s or r["prompt"] for r, s in zip(batch, scaffolded)], G, conf.rollout_len,
+                                 conf.temperature, conf.top_p, conf.top_k, generator=generator)
+            guided = torch.tensor([s is not None for s in scaffolded]).view(-1, 1).expand(-1, G)
         t1 = time.perf_counter()
         rewards = score(batch, ro.texts, G, verifier).view(-1, G)  # (prompts, G)
         times["rollout"] += t1 - t0
@@ -194,7 +207,7 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
         sampled.append(rewards)
         sampled_idx += idx
         if scaffold:
-            shown += [p is not None for p in scaffolded]
+            shown.append(guided)
             formed.append(torch.tensor([has_well_formed_answer(t) for t in ro.texts], dtype=torch.float).view(-1, G))
         informative = informative_groups(rewards, G)
         for j, row in enumerate(batch):
@@ -209,7 +222,57 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
             break
     rollout = select_rollouts(kept[:per_rank], policy.tokenizer.pad_id)
     return Groups(kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), torch.cat(sampled), sampled_idx,
-                  dropped, cursor, times, shown, torch.cat(formed) if formed else torch.empty(0, G))
+                  dropped, cursor, times, torch.cat(shown) if shown else torch.empty(0, G, dtype=torch.bool),
+                  torch.cat(formed) if formed else torch.empty(0, G),
+                  bool(scaffold and scaffold.mode == "guide" and any(bool(g.any()) for g in shown)))
+
+
+def guided_rollout(policy: Policy, batch: list[dict[str, Any]], scaffolded: list[str | None], k: int,
+                   conf: GRPOConfig, generator: torch.Generator) -> tuple[Rollout, torch.Tensor]:
+    """`guide` mode: G completions of each row, the first `k` sampled after the worked examples
+    (`scaffolded`; None: that row gets none), the rest after the bare prompt; all of them as answers to
+    the bare prompt (its token ids before every response). Returns the group-contiguous rollout and
+    which completions were guided (rows, G)."""
+    G, tok = conf.group_size, policy.tokenizer
+    with_k = [j for j, s in enumerate(scaffolded) if s is not None and k > 0]
+    plain = [j for j in range(len(batch)) if j not in set(with_k)]
+
+    def sample(prompts: list[str], n: int) -> Rollout | None:
+        if not prompts:
+            return None
+        return rollout_prompts(policy, prompts, n, conf.rollout_len, conf.temperature, conf.top_p, conf.top_k,
+                               generator=generator)
+
+    guided = sample([scaffolded[j] for j in with_k], k)
+    bare_rest = sample([batch[j]["prompt"] for j in with_k], G - k)
+    bare_all = sample([batch[j]["prompt"] for j in plain], G)
+    if guided is not None:  # the guided responses after the bare prompts they are trained on
+        guided = with_prompts(guided, [tok.encode(batch[j]["prompt"]) for j in with_k for _ in range(k)], tok.pad_id)
+    parts: list[tuple[Rollout, list[int]]] = []
+    where_k, where_plain = {j: n for n, j in enumerate(with_k)}, {j: n for n, j in enumerate(plain)}
+    for j in range(len(batch)):
+        if j in where_k:
+            n = where_k[j]
+            parts += [(guided, list(range(n * k, (n + 1) * k))), (bare_rest, list(range(n * (G - k), (n + 1) * (G - k))))]
+        else:
+            n = where_plain[j]
+            parts.append((bare_all, list(range(n * G, (n + 1) * G))))
+    mask = torch.zeros(len(batch), G, dtype=torch.bool)
+    mask[with_k, :k] = True
+    return select_rollouts(parts, tok.pad_id), mask
+
+
+def with_prompts(ro: Rollout, prompt_ids: list[list[int]], pad_id: int) -> Rollout:
+    """`ro`'s responses after other prompts (token ids, one list per row), left-padded afresh."""
+    ids, mask = left_pad(prompt_ids, pad_id, ro.input_ids.device)
+    P, resp = ids.shape[1], slice(ro.prompt_len, None)
+    zeros = torch.zeros(ids.shape, dtype=ro.response_mask.dtype, device=ids.device)
+    return Rollout(input_ids=torch.cat([ids, ro.input_ids[:, resp]], 1),
+                   attention_mask=torch.cat([mask.to(ro.attention_mask.dtype), ro.attention_mask[:, resp]], 1),
+                   response_mask=torch.cat([zeros, ro.response_mask[:, resp]], 1),
+                   logprobs=torch.cat([torch.zeros(ids.shape, dtype=ro.logprobs.dtype, device=ids.device),
+                                       ro.logprobs[:, resp]], 1),
+                   texts=ro.texts, response_lengths=ro.response_lengths, truncated=ro.truncated, prompt_len=P)
 
 
 def select_rollouts(parts: list[tuple[Rollout, list[int]]], pad_id: int) -> Rollout:

@@ -61,8 +61,8 @@ REFERENCE = "sft"
 CSV_COLUMNS = ["iteration", "reward", "reward_std", "informative", "kl", "clipfrac", "loss", "grad_norm",
                "response_len", "truncated", "entropy", "lr", "dropped_groups", "reward_sampled",
                "informative_sampled", "skipped_steps", "accuracy"]  # no wall-clock figure: the file is git-tracked
-# with `fewshot_examples`, over every group rolled out: the share shown the worked examples, and the reward and
-# well-formed `<answer>` rate of the bare groups (the prompt evaluation scores) and of the shown ones
+# with `fewshot_examples`, over every completion rolled out: the share sampled after the worked examples, and
+# the reward and well-formed `<answer>` rate of the bare ones (the prompt evaluation scores) and of the shown ones
 FEWSHOT_COLUMNS = ["fewshot_share", "reward_bare", "well_formed_bare", "reward_shown", "well_formed_shown"]
 
 
@@ -196,7 +196,8 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
     # --- old and reference log-probs, without grad (responses start at ro.prompt_len) -------------
     _sync(run.policy)
     t_lp = time.perf_counter()
-    old_lp, ref_lp = old_and_ref_logprobs(run, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.logprobs)
+    old_lp, ref_lp = old_and_ref_logprobs(run, ro.input_ids, ro.attention_mask, ro.prompt_len,
+                                          None if groups.off_policy else ro.logprobs)
     _sync(run.policy)
     t_upd = time.perf_counter()
     # --- the update: grpo_epochs passes over minibatches of whole groups --------------------------
@@ -292,7 +293,7 @@ def worked_examples(policy: Policy, path: Path, cfg: Config, stage: str) -> Scaf
                          f"take {alone} tokens, more than the {budget} a prompt may have with {stage}.rollout_len = "
                          f"{conf.rollout_len} in model.block_size = {limit}; allowed: fewer examples, a shorter "
                          f"rollout or a longer context")
-    return Scaffold(prompt, frozenset(q for q, _ in shots), conf.fewshot_fade, conf.seed)
+    return Scaffold(prompt, frozenset(q for q, _ in shots), conf.fewshot_fade, conf.seed, conf.fewshot_mode)
 
 
 def check_reference(paths: StagePaths, policy: Policy, ref: Policy) -> None:
@@ -478,23 +479,21 @@ def iteration_metrics(run: GRPORun, state: TrainState, groups: Groups, stats: di
 
 
 def scaffold_metrics(groups: Groups) -> dict[str, float | None]:
-    """Over every group rolled out (dynamic sampling's dropped ones included), summed over ranks: the
-    share shown the worked examples, and the mean reward and well-formed `<answer>` rate of the bare and
-    of the shown groups' completions (None where there were none)."""
-    shown = torch.tensor(groups.sampled_shown, dtype=torch.bool)
-    rewards, formed = groups.sampled, groups.sampled_formed  # (groups, G)
-    G = rewards.shape[1]
+    """Over every completion rolled out (dynamic sampling's dropped groups included), summed over ranks:
+    the share sampled after the worked examples, and the mean reward and well-formed `<answer>` rate of
+    the bare and of the shown completions (None where there were none)."""
+    shown, rewards, formed = groups.sampled_shown.bool(), groups.sampled, groups.sampled_formed  # (groups, G)
     sums = []
     for part in (~shown, shown):
         sums += [float(part.sum()), float(rewards[part].sum()), float(formed[part].sum())]
-    g_bare, r_bare, f_bare, g_shown, r_shown, f_shown = dist_utils.sum_across_ranks(sums)
+    n_bare, r_bare, f_bare, n_shown, r_shown, f_shown = dist_utils.sum_across_ranks(sums)
 
-    def mean(total: float, n_groups: float) -> float | None:
-        return total / (n_groups * G) if n_groups else None
+    def mean(total: float, n: float) -> float | None:
+        return total / n if n else None
 
-    return {"fewshot_share": g_shown / max(g_bare + g_shown, 1.0),
-            "reward_bare": mean(r_bare, g_bare), "well_formed_bare": mean(f_bare, g_bare),
-            "reward_shown": mean(r_shown, g_shown), "well_formed_shown": mean(f_shown, g_shown)}
+    return {"fewshot_share": n_shown / max(n_bare + n_shown, 1.0),
+            "reward_bare": mean(r_bare, n_bare), "well_formed_bare": mean(f_bare, n_bare),
+            "reward_shown": mean(r_shown, n_shown), "well_formed_shown": mean(f_shown, n_shown)}
 
 
 def sample_rows(groups: Groups, G: int) -> list[dict[str, Any]]:
