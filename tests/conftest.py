@@ -311,6 +311,36 @@ def weights(folder: Path) -> dict:
     return out
 
 
+def assert_resumes_bit_identically(module, run, stage: str, monkeypatch, caplog, step: int = 2) -> None:
+    """`run()` (a stage of `module`, saving resume states through its `save_resume`) to the end; then again,
+    killed right after its first resume state (iteration `step`), and once more: the last run says it
+    resumed, and its final weights and series equal the uninterrupted run's, bit for bit (CPU)."""
+    import torch
+
+    run()
+    whole, series = weights(Path("checkpoints") / stage), (Path("plots") / f"{stage}.csv").read_text()
+
+    class Killed(Exception):
+        pass
+
+    real = module.save_resume
+
+    def save_then_die(*a, **k):
+        real(*a, **k)
+        raise Killed
+
+    monkeypatch.setattr(module, "save_resume", save_then_die)
+    with pytest.raises(Killed):
+        run()
+    monkeypatch.setattr(module, "save_resume", real)
+    with caplog.at_level("INFO", logger="pipeline"):
+        run()
+    assert f"resuming from checkpoints/{stage}.resume/step_{step:06d}" in caplog.text
+    again = weights(Path("checkpoints") / stage)
+    assert all(torch.equal(again[k], whole[k]) for k in whole)
+    assert (Path("plots") / f"{stage}.csv").read_text() == series
+
+
 @pytest.fixture(scope="session")
 def grpo_prepared(tmp_path_factory):
     """A working directory with prepared data (smoke params) and two different random tiny policies

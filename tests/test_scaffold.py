@@ -12,7 +12,7 @@ import torch
 
 from pipeline.core.errors import InputError
 from pipeline.rl.group_sampling import Scaffold, scaffold_share
-from tests.conftest import smoke_cfg, weights
+from tests.conftest import assert_resumes_bit_identically, smoke_cfg
 
 
 @pytest.fixture
@@ -286,28 +286,7 @@ def test_a_killed_scaffolded_warmup_resumes_bit_identically(workdir, monkeypatch
     cfg = smoke_cfg("warmup.iterations=4", "warmup.save_every=2", "warmup.fewshot_examples=2",
                     "warmup.fewshot_fade=4", "warmup.prompts_per_iter=8", "warmup.eval_every=0",
                     "warmup.rollout_len=8", f"warmup.fewshot_mode={mode}")
-    grpo_stage.run_grpo(cfg, "warmup")
-    whole, series = weights(Path("checkpoints/warmup")), Path("plots/warmup.csv").read_text()
-
-    class Killed(Exception):
-        pass
-
-    real = grpo_stage.save_resume
-
-    def save_then_die(*a, **k):
-        real(*a, **k)
-        raise Killed
-
-    monkeypatch.setattr(grpo_stage, "save_resume", save_then_die)
-    with pytest.raises(Killed):
-        grpo_stage.run_grpo(cfg, "warmup")
-    monkeypatch.setattr(grpo_stage, "save_resume", real)
-    with caplog.at_level("INFO", logger="pipeline"):
-        grpo_stage.run_grpo(cfg, "warmup")
-    assert "resuming from checkpoints/warmup.resume/step_000002" in caplog.text
-    again = weights(Path("checkpoints/warmup"))
-    assert all(torch.equal(again[k], whole[k]) for k in whole)
-    assert Path("plots/warmup.csv").read_text() == series
+    assert_resumes_bit_identically(grpo_stage, lambda: grpo_stage.run_grpo(cfg, "warmup"), "warmup", monkeypatch, caplog)
 
 
 # --------------------------------------------------------------------------- bad input
