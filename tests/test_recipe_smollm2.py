@@ -38,7 +38,8 @@ MAX_POSITIONS = 4096
 OVERRIDES = [
     "data.arith_train_size=200", "data.arith_eval_size=12", f"data.gsm8k_source={GSM8K}", "data.val_size=5",
     f"model.block_size={MAX_POSITIONS}", "model.num_threads=1",
-    "warmup.iterations=2", "warmup.prompts_per_iter=2", "warmup.group_size=2", "warmup.rollout_len=8",
+    "warmup.iterations=2", "warmup.fewshot_fade=2", "warmup.prompts_per_iter=2", "warmup.group_size=2",
+    "warmup.rollout_len=8",
     "grpo.iterations=1", "grpo.prompts_per_iter=2", "grpo.group_size=2", "grpo.rollout_len=8",
     "evaluate.gsm8k_limit=4", "evaluate.max_new_tokens=8", "evaluate.batch_size=4", "evaluate.jobs=1",
 ]
