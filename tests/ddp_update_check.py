@@ -1,7 +1,9 @@
 """Helper for tests/test_train.py: one GRPO update on a fixed batch, single process or under torchrun.
 
 Usage: python tests/ddp_update_check.py OUT.safetensors [MINIBATCH_GROUPS]         (1 process)
-       torchrun --nproc_per_node=2 tests/ddp_update_check.py OUT [MINIBATCH_GROUPS]  (each rank: half the groups)
+       torchrun --nproc_per_node=2 tests/ddp_update_check.py OUT [MINIBATCH_GROUPS] [ddp|fsdp] [HF_FOLDER]
+       (each rank: half the groups; ddp replicates the model, fsdp shards it: pipeline.train.fsdp; the
+       policy is a tiny GPT, or the transformers model saved in HF_FOLDER)
 Writes the updated weights and the reduced stats (OUT with .json) from rank 0. The groups are dealt
 to the ranks in turn (rank r: groups r, r + world, ...), so that with minibatches each optimizer
 step covers the same groups in both runs.
@@ -19,15 +21,22 @@ from pipeline.core.config import GRPOConfig, ModelConfig
 from pipeline.data.tokenizer import train_tokenizer
 from pipeline.model.policy import build_policy
 from pipeline.stages.grpo import Batch, TrainState, update
+from pipeline.train import fsdp
 from pipeline.train.optim import build_optimizer
 
 
-def main(out: str, minibatch_groups: int = 0) -> None:
+def main(out: str, minibatch_groups: int = 0, parallel: str = "ddp", hf_folder: str = "") -> None:
     rank, world = du.rank(), du.world_size()
     tok = train_tokenizer([f"{a} + {b} = <answer>{a + b}</answer>" for a in range(30) for b in range(10)], 300)
     torch.manual_seed(0)
-    policy = build_policy(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu"), tok)
-    if world > 1:
+    if hf_folder:
+        policy = build_policy(ModelConfig(backend="hf", init=hf_folder, device="cpu"))
+        tok = policy.tokenizer
+    else:
+        policy = build_policy(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu"), tok)
+    if world > 1 and parallel == "fsdp":
+        fsdp.shard(policy.module)
+    elif world > 1:
         policy.runner = du.wrap_ddp(policy.module)
     g = torch.Generator().manual_seed(1)
     N, T = 8, 12
@@ -46,11 +55,13 @@ def main(out: str, minibatch_groups: int = 0) -> None:
     batch = Batch(ids[rows], attn[rows], resp[rows], adv[rows], None, ref_lp[rows])
     stats = update(policy, optimizer, g, batch, TrainState(total_iters=1), "ddp-check")
     stats = du.mean_across_ranks(stats)
+    weights = fsdp.full_state(policy.module) if fsdp.is_sharded(policy.module) else policy.module.state_dict()
     if rank == 0:
-        save_file({k: v.contiguous().clone() for k, v in policy.module.state_dict().items()}, out)
+        save_file({k: v.contiguous().clone() for k, v in weights.items()}, out)
         Path(out).with_suffix(".json").write_text(json.dumps(stats))
     du.barrier()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0, sys.argv[3] if len(sys.argv) > 3 else "ddp",
+         sys.argv[4] if len(sys.argv) > 4 else "")

@@ -20,7 +20,7 @@ LAYERS = [
      "rewards.verifiers", "data.tokenizer", "model.logprobs", "model.lora", "model.fast.fused_decode", "rl.loss"],
     ["core.cli", "data.schema", "data.prompts", "model.gpt", "model.hf", "train.optim", "tracking.common"],
     ["data.arithmetic", "data.sft_batches", "model.policy", "tracking.mlflow_client"],
-    ["data.gsm8k", "rl.evaluation", "rl.rollout", "train.manifest", "tracking.mlflow_logger"],
+    ["data.gsm8k", "rl.evaluation", "rl.rollout", "train.fsdp", "train.manifest", "tracking.mlflow_logger"],
     ["train.checkpoint", "tracking.mlflow_models"],
     ["train.state", "tracking.mlflow_backend"],
     ["tracking", "tracking.compare"],

@@ -314,6 +314,12 @@ class GRPOConfig:
     """Resumable checkpoints kept."""
     nproc: Procs = 1
     """Processes (torchrun DDP) for this stage; prompts are sharded by rank."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """How `nproc` > 1 processes hold the model: `ddp` replicates weights, gradients and AdamW's moments on
+    every rank; `fsdp` shards them over the ranks (FSDP2, each transformer block its own unit), for a
+    model whose training state does not fit one device. Under fsdp each rank samples from a whole copy of
+    the weights, refreshed from the shards before every rollout (the rollout needs every weight at every
+    step), and the frozen KL reference is sharded too."""
     seed: Annotated[Int, Field(ge=-2**50, lt=2**50)] = 0  # the sampling streams are seeded with seed * 7919 + epoch
     """Seed for prompt order and sampling."""
 

@@ -30,7 +30,7 @@ import yaml
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from pipeline.core.config import Config, ConfigError, GRPOConfig
+from pipeline.core.config import Config, ConfigError, GRPOConfig, ModelConfig
 
 
 # --------------------------------------------------------------------------- validation
@@ -57,6 +57,17 @@ def _relation_rules(cfg: Config) -> list[tuple[str, bool, str]]:
         ("sft.nproc", s.nproc == 1 or m.dropout == 0, dropout_free),
         ("control.nproc", c.nproc == 1 or m.dropout == 0, dropout_free),
         *(rule for name in ("warmup", "grpo") for rule in _grpo_rules(name, getattr(cfg, name), m.block_size)),
+        *(rule for name in ("warmup", "grpo") for rule in _fsdp_rules(name, getattr(cfg, name), m)),
+    ]
+
+
+def _fsdp_rules(name: str, g: GRPOConfig, m: ModelConfig) -> list[tuple[str, bool, str]]:
+    """`<stage>.parallel = fsdp` covers full fine-tuning in eager mode (what its tests run)."""
+    sharded = g.parallel == "fsdp"
+    return [
+        (f"{name}.parallel", not sharded or m.lora_rank == 0,
+         "ddp while model.lora_rank > 0 (LoRA trains a few adapter weights: ddp holds them on every rank)"),
+        (f"{name}.parallel", not sharded or not m.compile, "ddp while model.compile is true"),
     ]
 
 

@@ -103,6 +103,17 @@ def max_across_ranks(value: int) -> int:
     return int(t.item())
 
 
+def max_float_across_ranks(value: float) -> float:
+    """The largest `value` over ranks (every rank gets it); nan on any rank gives nan."""
+    if not dist.is_initialized():
+        return value
+    t = _scalars([value])
+    nan = _scalars([1.0 if value != value else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(nan, op=dist.ReduceOp.MAX)
+    return float("nan") if nan.item() else float(t.item())
+
+
 def all_true(flag: bool) -> bool:
     """True on every rank iff true on all ranks (so all ranks skip a non-finite step together)."""
     if not dist.is_initialized():
@@ -163,3 +174,23 @@ def shard(items: list[Any]) -> list[Any]:
     """This rank's share of `items`: every world-size-th one from its rank (the whole list without
     torchrun); over a list sorted by length, each rank gets about the same amount of work."""
     return items[rank()::world_size()]
+
+
+def largest_weight(params: list[torch.Tensor]) -> float:
+    """The largest |w| over `params`, the same on every rank: of a sharded weight (a DTensor, FSDP2) each
+    rank reads its own shard and the max is taken over ranks, so every rank decides alike."""
+    from torch.distributed.tensor import DTensor
+
+    local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
+    local = [t for t in local if t.numel()]
+    largest = float(torch.stack([t.abs().amax().float() for t in local]).amax()) if local else 0.0
+    if any(isinstance(p, DTensor) for p in params):
+        return max_float_across_ranks(largest)
+    return largest
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of `t` (clip_grad_norm_ returns a DTensor over sharded gradients)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -47,7 +47,9 @@ from pipeline.rl.group_sampling import (Groups, Scaffold, Verifier, count_levels
                                      row_levels, sample_groups)
 from pipeline.rl.loss import group_advantages, grpo_loss, informative_fraction, loss_units
 from pipeline.tracking import Logger, stage_logger
+from pipeline.train import fsdp
 from pipeline.train.checkpoint import check_architecture, load_policy, save_policy
+from pipeline.train.fsdp import FullOptimizerState, Sharded
 from pipeline.train.optim import build_optimizer, count_nonfinite, lr_at, set_lr, step_if_finite
 from pipeline.train.resume import load_resume, resume_key, save_resume
 
@@ -126,6 +128,17 @@ class GRPORun:
     world: int = 1
     levels: list[int] | None = None  # each training row's curriculum level, where prompts are drawn by level
     scaffold: Scaffold | None = None  # `fewshot_examples`: the worked examples, at iteration 0
+    sharded: Sharded | None = None  # `parallel: fsdp` under torchrun: the shards' whole-weight sampler
+
+    def sampler(self) -> Policy:
+        """The policy that samples, is scored on held-out rows and is saved: the trained one, or under
+        FSDP its whole copy, refreshed from the shards (a collective: every rank calls it at once)."""
+        return self.sharded.refresh() if self.sharded else self.policy
+
+    def optimizer_state(self) -> Any:
+        """What a resume state saves of the optimizer: itself, or under FSDP its full state gathered to
+        rank 0 (a collective)."""
+        return FullOptimizerState(self.policy.module, self.optimizer).gather() if self.sharded else self.optimizer
 
 
 # --------------------------------------------------------------------------- the loop
@@ -137,8 +150,7 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
     run = setup(cfg, stage)
     conf, is_main = run.conf, run.rank == 0
     key = compatibility_key(run)
-    state = (load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator, run.rank)
-             or TrainState(total_iters=conf.iterations))
+    state = resume(run, key) or TrainState(total_iters=conf.iterations)
     with stage_logger(cfg, stage, enabled=is_main) as tracker, progress_bar(enabled=is_main) as bar:
         if is_main:
             tracker.log_params(cfg.flat())
@@ -150,7 +162,7 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
             it, last = state.iteration, state.iteration == state.total_iters
             # --- evaluate, adapt the curriculum ------------------------------------------------
             if conf.eval_every and (it % conf.eval_every == 0 or last):
-                metrics["accuracy"] = greedy_accuracy(run.policy, run.eval_rows, conf.rollout_len)
+                metrics["accuracy"] = greedy_accuracy(run.sampler(), run.eval_rows, conf.rollout_len)
             adapt_curriculum(conf, state, metrics)
             state.series.append({"iteration": it, **{k: metrics.get(k) for k in csv_columns(conf)[1:]}})
             # --- log -----------------------------------------------------------------------------
@@ -161,13 +173,27 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
             # --- save ----------------------------------------------------------------------------
             if it % conf.save_every == 0 and it < state.total_iters:
                 gens = dist_utils.gather_tensors(run.generator.get_state())  # every rank's, for an exact resume
+                sampler, optimizer = run.sampler(), run.optimizer_state()
                 if is_main:
-                    save_resume(run.paths.resume, it, key, state, run.policy, run.optimizer, run.generator,
+                    save_resume(run.paths.resume, it, key, state, sampler, optimizer, run.generator,
                                 conf.keep_last, rank_generators=gens)
                     write_series_csv(run.paths.csv, state.series, csv_columns(conf))
         summary = finish(run, state, tracker)
     dist_utils.barrier()
     return summary
+
+
+def resume(run: GRPORun, key: str) -> TrainState | None:
+    """The newest resume state saved under `key`, restored into the run (None: start afresh). Under FSDP
+    every rank reads the whole weights into its sampler and the full optimizer state, and shards both."""
+    if not run.sharded:
+        return load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator, run.rank)
+    sampler = run.sharded.sampler
+    state = load_resume(run.paths.resume, key, TrainState, sampler, FullOptimizerState(run.policy.module, run.optimizer),
+                        run.generator, run.rank)
+    if state is not None:
+        run.sharded.restore(sampler.module.state_dict())
+    return state
 
 
 def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple[dict[str, Any], list[dict]]:
@@ -181,7 +207,7 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
         state.level_counts = state.level_counts or {str(v): [0.0, 0.0] for v in sorted(set(run.levels))}
         keep, chance = level_keep(state.level_counts, run.levels, conf.level_floor)
     scaffold = run.scaffold.at(state.iteration) if run.scaffold else None
-    groups = sample_groups(run.policy, run.train_rows, (state.prompt_epoch, state.prompt_pos), conf, verifier,
+    groups = sample_groups(run.sampler(), run.train_rows, (state.prompt_epoch, state.prompt_pos), conf, verifier,
                            run.generator, run.rank, run.world, keep, scaffold)
     state.prompt_epoch, state.prompt_pos = groups.cursor
     if run.levels is not None:
@@ -205,6 +231,8 @@ def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple
     set_lr(run.optimizer, lr)
     batch = Batch(ro.input_ids, ro.attention_mask, ro.response_mask, adv, old_lp, ref_lp, ro.prompt_len)
     stats = update(run.policy, run.optimizer, conf, batch, state, run.stage)
+    if run.sharded:
+        run.sharded.stepped()
     _sync(run.policy)
     times = {**groups.times, "logprobs": t_lp, "update": t_upd, "start": t_start, "end": time.perf_counter()}
     metrics = iteration_metrics(run, state, groups, stats, lr, times)
@@ -253,7 +281,15 @@ def setup(cfg: Config, stage: str) -> GRPORun:
         if ref is not None:
             check_reference(paths, policy, ref)
     policy.eval()  # GRPO runs every module without dropout (LoRA's too); eval() does not stop gradients
-    if world > 1:  # compile wraps DDP (not the reverse), so model.compile also holds under torchrun
+    sharded = None
+    if world > 1 and conf.parallel == "fsdp":  # before the optimizer, which then holds the shards
+        sharded = Sharded(policy)
+        if ref is not None:
+            fsdp.shard(ref.module)
+        if rank == 0:
+            log.info("%s: FSDP2 over %d processes, %d blocks each a unit; the sampler holds the whole weights",
+                     stage, world, len(fsdp.blocks(policy.module)))
+    elif world > 1:  # compile wraps DDP (not the reverse), so model.compile also holds under torchrun
         ddp = dist_utils.wrap_ddp(policy.module)
         policy.runner = torch.compile(ddp) if cfg.model.compile else ddp
     optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
@@ -261,7 +297,7 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
     scaffold = worked_examples(policy, paths.train, cfg, stage) if conf.fewshot_examples else None
     return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world,
-                   levels, scaffold)
+                   levels, scaffold, sharded)
 
 
 def worked_examples(policy: Policy, path: Path, cfg: Config, stage: str) -> Scaffold:
@@ -355,7 +391,8 @@ def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, st
         return torch.cat([model.token_logprobs(ids[sl], attn[sl], conf.temperature, start=start, group_size=group)
                           for sl in parts])
 
-    with torch.inference_mode():
+    # a sharded module's passes reuse its gathered-weight buffers in training: no inference tensors there
+    with torch.no_grad() if run.sharded else torch.inference_mode():
         if single_step:
             old = None
         elif sampled is not None and reuses_sampled_logprobs(run.policy):
@@ -556,9 +593,10 @@ def finish(run: GRPORun, state: TrainState, tracker: Logger) -> dict[str, Any]:
         "accuracy_last": accs[-1] if accs else None, "skipped_steps": state.skipped,
         "adaptive": state.adaptive_log,
     }
+    sampler = run.sampler()
     if run.rank == 0:
         write_series_csv(run.paths.csv, series, csv_columns(run.conf))
-        save_policy(run.paths.out, run.policy, extra_state={"stage": run.stage, "summary": summary})
+        save_policy(run.paths.out, sampler, extra_state={"stage": run.stage, "summary": summary})
         tracker.log_artifact(run.paths.csv)
         shutil.rmtree(run.paths.resume, ignore_errors=True)
     return summary

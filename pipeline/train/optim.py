@@ -173,7 +173,7 @@ def step_if_finite(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tens
     blow the weights up (`lr=1e9`), and the next rollout would then sample from garbage. That raises
     TrainingDivergedError before anything is saved, so every saved state is one that can continue."""
     params = list(params)
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    norm = dist_utils.whole(torch.nn.utils.clip_grad_norm_(params, grad_clip))  # a DTensor over sharded gradients
     finite = bool(torch.isfinite(loss).item()) and bool(torch.isfinite(norm).item())
     if not dist_utils.all_true(finite):
         optimizer.zero_grad(set_to_none=True)
@@ -190,7 +190,7 @@ def check_weights(params: list[torch.Tensor], optimizer: torch.optim.Optimizer |
     """TrainingDivergedError unless every weight is finite and within +-WEIGHT_LIMIT (one host sync)."""
     if not params:
         return
-    largest = float(torch.stack([p.detach().abs().amax().float() for p in params]).amax().item())
+    largest = dist_utils.largest_weight(params)  # over every rank's shard where the weights are sharded (FSDP)
     if math.isfinite(largest) and largest <= WEIGHT_LIMIT:
         return
     lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
