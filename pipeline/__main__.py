@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,21 +126,50 @@ def check_device(cfg, stage: str, cuda_devices: int) -> None:
                          + (f" or cuda:0 to cuda:{cuda_devices - 1}" if cuda_devices else ""))
 
 
-def run_under_torchrun(cfg, stage: str, nproc: int) -> int:
-    """Run `python -m pipeline STAGE` with this config in `nproc` processes (torchrun, DDP; rank 0
-    writes the outputs and prints the result line); its exit status."""
+def run_under_torchrun(cfg, stage: str, nproc: int, nodes: Nodes | None = None) -> int:
+    """Run `python -m pipeline STAGE` with this config in `nproc` processes (torchrun, DDP or FSDP; rank 0
+    writes the outputs and prints the result line); its exit status. `nodes`: this machine's part of a
+    run over several (`nproc` counts the processes of all of them); None: every process here."""
     import torch
 
-    env = {**os.environ, **ranks_env(cfg, stage, nproc, torch.cuda.device_count())}
+    nodes = nodes or Nodes()
+    here = nodes.per_node(nproc, stage)
+    env = {**os.environ, **ranks_env(cfg, stage, here, torch.cuda.device_count())}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(dump_config(cfg))
         params = f.name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(), f"--nproc_per_node={here}",
            "-m", "pipeline", stage, "--params", params]
     try:
         return _wait_torchrun(subprocess.Popen(cmd, env=env))
     finally:
         os.unlink(params)
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The machines of a multi-node run (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`):
+    each runs the same command with its own node rank; torchrun's static rendezvous at the master's
+    address joins them, node r's processes taking global ranks r * per_node ... (r + 1) * per_node - 1."""
+
+    count: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def per_node(self, nproc: int, stage: str) -> int:
+        from pipeline.core.errors import InputError
+
+        if nproc % self.count:
+            raise InputError(f"{stage}.nproc = {nproc} over --nnodes {self.count}: allowed: a multiple of the node "
+                             "count (nproc counts the processes of every node, the same number on each)")
+        return nproc // self.count
+
+    def torchrun_args(self) -> list[str]:
+        if self.count == 1:
+            return ["--standalone"]
+        return [f"--nnodes={self.count}", f"--node_rank={self.rank}", f"--master_addr={self.master_addr}",
+                f"--master_port={self.master_port}"]
 
 
 def _wait_torchrun(proc: subprocess.Popen) -> int:
@@ -167,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage to run ('all': every stage in order; 'compare': MLflow runs; 'summary': headline numbers)")
     add_config_args(p)
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    nodes = p.add_argument_group("several machines (a stage with nproc > 1; the same command on each machine)")
+    nodes.add_argument("--nnodes", type=int, default=1, help="machines in the run (nproc counts all their processes)")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0 .. nnodes - 1")
+    nodes.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, where the ranks meet")
+    nodes.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
     return p
 
 
@@ -203,20 +238,32 @@ def run(args: argparse.Namespace) -> int:
     elif args.stage == "all":
         return run_all(cfg)
     else:
-        return run_one(cfg, args.stage)
+        return run_one(cfg, args.stage, _nodes(args))
     return 0
 
 
-def run_one(cfg, name: str) -> int:
+def _nodes(args: argparse.Namespace) -> Nodes:
+    from pipeline.core.errors import InputError
+
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise InputError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: allowed: nnodes >= 1 and a node "
+                         "rank in [0, nnodes - 1]")
+    if not 0 < args.master_port < 65536:
+        raise InputError(f"--master-port {args.master_port}: allowed: a port in [1, 65535]")
+    return Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+
+
+def run_one(cfg, name: str, nodes: Nodes | None = None) -> int:
     """One stage: in this process, or under torchrun when it asks for several (the launcher holds the
-    workspace lock, its ranks pass through it); the exit status."""
+    workspace lock, its ranks pass through it); the exit status. `nodes`: this machine's part of a
+    multi-node run (docs/distributed.md)."""
     from pipeline.core.lock import workspace_lock
     from pipeline.stages import stage_function
 
     nproc = _nproc(cfg, name)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         with workspace_lock(f"stage {name} (torchrun, {nproc} processes)"):
-            code = run_under_torchrun(cfg, name, nproc)
+            code = run_under_torchrun(cfg, name, nproc, nodes)
         if code:
             print(f"error: {name}: torchrun with {nproc} processes failed (exit {code})", file=sys.stderr)
         return code

@@ -34,8 +34,9 @@ def main(out: str, minibatch_groups: int = 0, parallel: str = "ddp", hf_folder: 
         tok = policy.tokenizer
     else:
         policy = build_policy(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu"), tok)
+    sharded = None
     if world > 1 and parallel == "fsdp":
-        fsdp.shard(policy.module)
+        sharded = fsdp.Sharded(policy)  # the policy sharded in place, and its whole-weight sampler
     elif world > 1:
         policy.runner = du.wrap_ddp(policy.module)
     g = torch.Generator().manual_seed(1)
@@ -55,7 +56,11 @@ def main(out: str, minibatch_groups: int = 0, parallel: str = "ddp", hf_folder: 
     batch = Batch(ids[rows], attn[rows], resp[rows], adv[rows], None, ref_lp[rows])
     stats = update(policy, optimizer, g, batch, TrainState(total_iters=1), "ddp-check")
     stats = du.mean_across_ranks(stats)
-    weights = fsdp.full_state(policy.module) if fsdp.is_sharded(policy.module) else policy.module.state_dict()
+    if sharded is not None:  # what the rollouts and checkpoints read: the sampler, refreshed from the shards
+        sharded.stepped()
+        weights = sharded.refresh().module.state_dict()
+    else:
+        weights = policy.module.state_dict()
     if rank == 0:
         save_file({k: v.contiguous().clone() for k, v in weights.items()}, out)
         Path(out).with_suffix(".json").write_text(json.dumps(stats))

@@ -170,9 +170,9 @@ def test_forced_nan_is_skipped_and_counted_then_stops(workdir, monkeypatch):
         run_warmup(smoke_cfg("warmup.iterations=5", "warmup.max_nonfinite=2", "warmup.seed=1"))
 
 
-def _run_cli(stage: str, *overrides: str, cwd: Path, wait: bool = True):
+def _run_cli(stage: str, *overrides: str, cwd: Path, wait: bool = True, args: tuple[str, ...] = ()):
     cmd = [sys.executable, "-m", "pipeline", stage, "--params", str(ROOT / "configs" / "smoke.yaml"),
-           "--set", f"data.gsm8k_source={GSM8K}", *[x for o in overrides for x in ("--set", o)]]
+           "--set", f"data.gsm8k_source={GSM8K}", *[x for o in overrides for x in ("--set", o)], *args]
     # one intra-op thread: bit-exactness across processes holds for a fixed thread count, and
     # multi-threaded BLAS on a loaded 2-core machine may split reductions differently run to run
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -240,6 +240,56 @@ def test_two_process_kill_and_resume_is_bit_identical_per_rank(workdir, tmp_path
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert _series(ref_dir / "plots" / "grpo.csv") == _series(workdir / "plots" / "grpo.csv")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_nodes(dirs: tuple[Path, Path], *overrides: str) -> list[subprocess.CompletedProcess]:
+    """The stage on two "machines" at once: one launcher per folder, `--nnodes 2`, meeting on 127.0.0.1."""
+    port = _free_port()
+    procs = [_run_cli("grpo", *overrides, cwd=d, wait=False,
+                      args=("--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port",
+                            str(port))) for r, d in enumerate(dirs)]
+    out = [p.communicate(timeout=300)[0] for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, o) for p, o in zip(procs, out)]
+
+
+@pytest.mark.slow
+def test_two_machines_train_as_two_processes_on_one_and_refuse_unequal_resume_states(workdir, tmp_path):
+    """`--nnodes 2`: two launchers, each in its own copy of the workspace (one process each), meet on
+    node 0's address and train as one 2-process run on one machine does, bit for bit; node 0's copy gets
+    the outputs. Re-run where only node 0's copy holds a resume state: every rank stops with one line
+    naming the folder, before training (a rank that started afresh would train other weights)."""
+    overrides = ("grpo.nproc=2", "grpo.iterations=4", "grpo.save_every=2", "grpo.eval_every=0")
+    one, node0, node1 = (tmp_path / n for n in ("one", "node0", "node1"))
+    for d in (one, node0, node1):
+        shutil.copytree(workdir, d)
+    res = _run_cli("grpo", *overrides, cwd=one)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = _two_nodes((node0, node1), *overrides)
+    assert a.returncode == 0 and b.returncode == 0, (a.stdout[-3000:], b.stdout[-3000:])
+    ref, got = weights(one / "checkpoints" / "grpo"), weights(node0 / "checkpoints" / "grpo")
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    assert not (node1 / "checkpoints" / "grpo").exists()
+
+    more = (*overrides[:1], "grpo.iterations=6", *overrides[2:])
+    cmd = [sys.executable, "-m", "pipeline", "grpo", "--params", str(ROOT / "configs" / "smoke.yaml"),
+           "--set", f"data.gsm8k_source={GSM8K}", *[x for o in more for x in ("--set", o)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    shutil.rmtree(node0 / "checkpoints" / "grpo")
+    kill_tree_at(cmd, node0, env, node0 / "checkpoints" / "grpo.resume" / "step_000002")
+    a, b = _two_nodes((node0, node1), *more)
+    for proc in (a, b):  # each rank: the one line (exit 2), so each launcher: torchrun failed
+        assert proc.returncode != 0, proc.stdout[-3000:]
+        assert "the ranks found different resume states (steps -1 to 2; -1: none)" in proc.stdout, proc.stdout[-3000:]
+    assert not (node0 / "checkpoints" / "grpo").exists()
 
 
 def _series(path: Path) -> list[dict[str, str]]:
@@ -407,3 +457,18 @@ def test_fsdp_is_refused_with_lora_or_compile_naming_the_key():
     with pytest.raises(ConfigError, match=r"grpo.parallel"):
         smoke_cfg("grpo.parallel=zero3")
     assert smoke_cfg("grpo.parallel=fsdp", "warmup.parallel=fsdp").grpo.parallel == "fsdp"
+
+
+def test_bad_node_flags_are_one_line_each(workdir):
+    """A node rank outside [0, nnodes) and an nproc that the node count does not divide: one line naming
+    the flag or key and what is allowed, exit 2, before any process starts."""
+    res = _run_cli("grpo", "grpo.nproc=2", cwd=workdir, args=("--nnodes", "2", "--node-rank", "2"))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == ("error: --nnodes 2 --node-rank 2: allowed: nnodes >= 1 and a node "
+                                                   "rank in [0, nnodes - 1]")
+    res = _run_cli("grpo", "grpo.nproc=3", "grpo.prompts_per_iter=3", cwd=workdir, args=("--nnodes", "2"))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: grpo.nproc = 3 over --nnodes 2: allowed: a multiple of the node count (nproc counts the processes "
+        "of every node, the same number on each)")
+    assert not (workdir / "checkpoints" / "grpo").exists()

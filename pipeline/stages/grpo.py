@@ -51,7 +51,7 @@ from pipeline.train import fsdp
 from pipeline.train.checkpoint import check_architecture, load_policy, save_policy
 from pipeline.train.fsdp import FullOptimizerState, Sharded
 from pipeline.train.optim import build_optimizer, count_nonfinite, lr_at, set_lr, step_if_finite
-from pipeline.train.resume import load_resume, resume_key, save_resume
+from pipeline.train.resume import check_ranks_agree, load_resume, resume_key, save_resume
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +187,13 @@ def resume(run: GRPORun, key: str) -> TrainState | None:
     """The newest resume state saved under `key`, restored into the run (None: start afresh). Under FSDP
     every rank reads the whole weights into its sampler and the full optimizer state, and shards both."""
     if not run.sharded:
-        return load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator, run.rank)
-    sampler = run.sharded.sampler
-    state = load_resume(run.paths.resume, key, TrainState, sampler, FullOptimizerState(run.policy.module, run.optimizer),
-                        run.generator, run.rank)
-    if state is not None:
+        state = load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator, run.rank)
+    else:
+        sampler = run.sharded.sampler
+        state = load_resume(run.paths.resume, key, TrainState, sampler,
+                            FullOptimizerState(run.policy.module, run.optimizer), run.generator, run.rank)
+    check_ranks_agree(state.iteration if state else None, run.paths.resume, run.stage)
+    if state is not None and run.sharded:
         run.sharded.restore(sampler.module.state_dict())
     return state
 

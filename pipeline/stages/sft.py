@@ -69,7 +69,7 @@ from pipeline.rl.generation import greedy_correct
 from pipeline.tracking import Logger, stage_logger
 from pipeline.train.checkpoint import check_architecture, init_policy, load_policy, save_policy
 from pipeline.train.optim import build_optimizer, count_nonfinite, lr_at, seed_everything, set_lr, step_if_finite
-from pipeline.train.resume import load_resume, resume_key, save_resume
+from pipeline.train.resume import check_ranks_agree, load_resume, resume_key, save_resume
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,9 @@ def run_sft(cfg: Config, stage: str = "sft") -> dict[str, Any]:
     run = setup(cfg, stage)
     s, is_main = run.conf, run.rank == 0
     key = compatibility_key(cfg, stage)
-    state = load_resume(run.resume, key, SFTState, run.policy, run.optimizer, None) or SFTState()
+    state = load_resume(run.resume, key, SFTState, run.policy, run.optimizer, None)
+    check_ranks_agree(state.step if state else None, run.resume, stage)
+    state = state or SFTState()
     if state.batches:
         run.batches.load(state.batches)
     with stage_logger(cfg, stage, enabled=is_main) as tracker, progress_bar(enabled=is_main) as bar:

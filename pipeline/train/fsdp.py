@@ -113,7 +113,7 @@ class Sharded:
         if not self.fresh:
             state = full_state(self.policy.module)
             with torch.no_grad():
-                self.sampler.module.load_state_dict(state, strict=False)
+                self.sampler.module.load_state_dict(state)
             self.fresh = True
         return self.sampler
 

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipeline.core.errors import CheckpointError
+from pipeline.core import distributed as dist_utils
+from pipeline.core.errors import CheckpointError, InputError
 from pipeline.core.files import sha256
 from pipeline.model.policy import Policy
 from pipeline.train.manifest import TRAIN_JSON
@@ -102,3 +103,15 @@ def load_resume(folder: Path, key: str, state_type: type[State], policy: Policy,
         log.info("resuming from %s", candidate)
         return state
     return None
+
+
+def check_ranks_agree(step: int | None, folder: Path, stage: str) -> None:
+    """Every rank resumes from the same state, or none does: each reads `folder` itself, so under several
+    processes (one machine or several) they must see the same folder. `step`: this rank's resumed step,
+    None for none. An InputError on every rank where they differ, before any of them trains."""
+    mine = -1 if step is None else step
+    hi, lo = dist_utils.max_across_ranks(mine), -dist_utils.max_across_ranks(-mine)
+    if hi != lo:
+        raise InputError(f"{folder}: the ranks found different resume states (steps {lo} to {hi}; -1: none): every "
+                         f"rank reads the {stage} stage's resume state, so all must see the same folder: one shared "
+                         f"working directory, or rank 0's {folder} copied to every machine before the re-run")
