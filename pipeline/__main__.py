@@ -23,8 +23,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.cli import add_config_args, exit_status
@@ -174,7 +174,7 @@ class Nodes:
 
 def _wait_torchrun(proc: subprocess.Popen) -> int:
     """torchrun's exit status. Stopped (Ctrl-C, SIGTERM), this launcher waits for torchrun to stop its
-    ranks (they run in their own sessions: only torchrun can stop them) instead of killing it at once
+    ranks (torchrun starts them with setsid, so only torchrun can stop them) instead of killing it at once
     as `subprocess.run` does; it signals torchrun itself only if torchrun is still running then."""
     try:
         return proc.wait()

@@ -107,11 +107,10 @@ def max_float_across_ranks(value: float) -> float:
     """The largest `value` over ranks (every rank gets it); nan on any rank gives nan."""
     if not dist.is_initialized():
         return value
-    t = _scalars([value])
-    nan = _scalars([1.0 if value != value else 0.0])
+    t = _scalars([value, 1.0 if value != value else 0.0])  # the value and whether it is nan: one collective
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.all_reduce(nan, op=dist.ReduceOp.MAX)
-    return float("nan") if nan.item() else float(t.item())
+    largest, nan = t.cpu().tolist()
+    return float("nan") if nan else largest
 
 
 def all_true(flag: bool) -> bool:

@@ -186,15 +186,12 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
 def resume(run: GRPORun, key: str) -> TrainState | None:
     """The newest resume state saved under `key`, restored into the run (None: start afresh). Under FSDP
     every rank reads the whole weights into its sampler and the full optimizer state, and shards both."""
-    if not run.sharded:
-        state = load_resume(run.paths.resume, key, TrainState, run.policy, run.optimizer, run.generator, run.rank)
-    else:
-        sampler = run.sharded.sampler
-        state = load_resume(run.paths.resume, key, TrainState, sampler,
-                            FullOptimizerState(run.policy.module, run.optimizer), run.generator, run.rank)
+    policy, optimizer = ((run.sharded.sampler, FullOptimizerState(run.policy.module, run.optimizer)) if run.sharded
+                         else (run.policy, run.optimizer))
+    state = load_resume(run.paths.resume, key, TrainState, policy, optimizer, run.generator, run.rank)
     check_ranks_agree(state.iteration if state else None, run.paths.resume, run.stage)
     if state is not None and run.sharded:
-        run.sharded.restore(sampler.module.state_dict())
+        run.sharded.restore()
     return state
 
 

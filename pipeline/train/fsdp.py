@@ -50,12 +50,6 @@ def shard(module: nn.Module) -> nn.Module:
     return module
 
 
-def is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every weight whole, on every rank (a collective: all ranks call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -118,10 +112,10 @@ class Sharded:
         return self.sampler
 
     def stepped(self) -> None:
-        """The shards moved (an optimizer step or a restored state): refresh before the next read."""
+        """The shards moved (an optimizer step): refresh before the next read."""
         self.fresh = False
 
-    def restore(self, weights: dict[str, torch.Tensor]) -> None:
-        """Whole weights (a resume state's, the same on every rank) into the shards and the sampler."""
-        load_full_state(self.policy.module, weights)
-        self.stepped()
+    def restore(self) -> None:
+        """The sampler's weights (a resume state's, read on every rank) into the shards: both hold them."""
+        load_full_state(self.policy.module, self.sampler.module.state_dict())
+        self.fresh = True
