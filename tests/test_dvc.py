@@ -356,6 +356,10 @@ def test_the_recipes_committed_results_are_those_of_its_params():
     for entry, m in metrics.items():
         cells = recipe_row_cells(m)
         assert all(c in rows[entry] for c in cells), f"README recipe row {entry!r} is not eval.json's: {cells}"
+    # the LoRA row is the LoRA experiment's files, kept beside the recipe
+    lora = json.loads(committed(f"{RECIPE}/results/lora-r16/metrics/eval.json"))["warmup"]
+    (row,) = [line for line in section.splitlines() if line.startswith("| LoRA `warmup`")]
+    assert all(c in row for c in recipe_row_cells(lora)), f"README LoRA row is not lora-r16's eval.json: {row}"
 
 
 def test_dvc_plots_draws_the_named_plots_only():
