@@ -4,7 +4,10 @@
                            [--prompt-tokens 200] [--set grpo.micro_batch_size=4 ...]
 
 One GPU, one process (under DDP each rank holds the same weights and a 1/nproc share of the
-rows). Bytes counted, per phase (G rows per prompt, N = prompts_per_iter * G rows, T = prompt +
+rows; under `parallel: fsdp` each rank holds a 1/nproc shard of the weights, the reference, the
+gradients and AdamW's moments, plus a whole copy of the weights to sample from, and a pass gathers
+the root's weights (embeddings, final norm, head) and one block at a time with the next prefetched;
+autocast's bf16 copy is still counted whole). Bytes counted, per phase (G rows per prompt, N = prompts_per_iter * G rows, T = prompt +
 rollout tokens, m = micro_batch_size or the minibatch's rows):
 
 - static: policy weights (param_dtype), the frozen reference (a second copy; none under LoRA,
@@ -115,7 +118,11 @@ def estimate(cfg, shape: Shape, prompt_tokens: int, stage: str = "grpo") -> dict
     weights = P * wb + (0 if lora or g.kl_coef == 0 else P * wb)
     grad_b, master = (4, 0) if lora or wb == 4 else (2, 4)  # peft's adapters are fp32; bf16: fp32 masters
     train_state = trainable * (grad_b + 8 + master)  # gradients, two fp32 AdamW moments, masters
-    static = weights + train_state
+    shards = g.nproc if g.parallel == "fsdp" and g.nproc > 1 else 1
+    root = shape.vocab * shape.d * (1 if shape.tied else 2) + shape.d  # embeddings, head, final norm
+    # fsdp: each rank's shards, the sampler's whole copy, and what a pass gathers (the root, two blocks)
+    static = (weights + train_state) / shards + (P * wb if shards > 1 else 0)
+    gathered = (root + 2 * (P - root) // shape.layers) * wb if shards > 1 else 0
     rows, R = g.prompts_per_iter * g.group_size // max(g.nproc, 1), g.rollout_len
     T, V, L = prompt_tokens + R, shape.vocab, shape.layers
     kv = lambda prompts, n, r: L * 2 * shape.kv_dim * 2 * (prompts * prompt_tokens + n * r)  # bf16 keys + values
@@ -128,8 +135,8 @@ def estimate(cfg, shape: Shape, prompt_tokens: int, stage: str = "grpo") -> dict
         "params": P, "trainable": trainable,
         "static": static,
         "rollout": static + kv(rows // g.group_size, rows, R) + 3 * rows * V * 4,
-        "logprobs": static + logits + (1 << 27) + layer_act,
-        "update": static + autocast_copy + 2 * logits + (1 << 27) + kept,
+        "logprobs": static + gathered + logits + (1 << 27) + layer_act,
+        "update": static + gathered + autocast_copy + 2 * logits + (1 << 27) + kept,
         "evaluate": P * wb + kv(e.batch_size, e.batch_size, e.max_new_tokens) + 3 * e.batch_size * V * 4,
     }
 
@@ -141,7 +148,8 @@ def report(cfg, shape: Shape, prompt_tokens: int, label: str) -> dict:
           f"{', LoRA r=' + str(m.lora_rank) if m.lora_rank else ''}), weights {m.param_dtype}, "
           f"grpo: {g.prompts_per_iter} prompts x {g.group_size}, rollout {g.rollout_len}, prompt ~{prompt_tokens} "
           f"tokens, micro_batch_size {g.micro_batch_size or 'whole minibatch'}, "
-          f"gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}")
+          f"gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"
+          f"{f', fsdp over {g.nproc} ranks (per rank)' if g.parallel == 'fsdp' and g.nproc > 1 else ''}")
     peak = max(v for k, v in est.items() if k not in ("params", "trainable", "static"))
     for phase in ("static", "rollout", "logprobs", "update", "evaluate"):
         print(f"  {phase:9s} {est[phase] / GB:7.1f} GB")

@@ -41,6 +41,18 @@ def test_memory_options_lower_their_phase():
     assert estimate("--size", "1.5B", "--set", "model.param_dtype=bfloat16")["static"] < base["static"]
 
 
+def test_fsdp_divides_the_training_state_and_adds_the_samplers_copy():
+    """7B in fp32 with the KL over 8 ranks: DDP holds 20 bytes a weight on each (policy 4, reference 4,
+    gradients 4, AdamW's two moments 8); fsdp holds 20 / 8 of them plus the sampler's whole copy (4): 6.5."""
+    run = ("--size", "7B", "--set", "model.param_dtype=float32", "--set", "grpo.nproc=8",
+           "--set", "grpo.minibatch_groups=8")
+    ddp, fsdp = estimate(*run), estimate(*run, "--set", "grpo.parallel=fsdp")
+    assert fsdp["static"] == pytest.approx(ddp["static"] * 6.5 / 20, abs=0.02)
+    # a pass gathers the root (embeddings, head: 2 x 152064 x 3584 fp32 weights) and two blocks
+    assert (fsdp["update"] - fsdp["static"]) - (ddp["update"] - ddp["static"]) >= 2 * 152064 * 3584 * 4 / 1e9
+    assert fsdp["peak_gb"] < ddp["peak_gb"] and fsdp["evaluate"] == ddp["evaluate"]
+
+
 CARD_RECIPES = sorted(ROOT.glob("configs/qwen2.5-*-*gb.yaml"))
 
 
