@@ -1,4 +1,4 @@
-"""Tracking never holds training back: calls are queued (MLflow's async logging and one worker), a dead server is
+"""Tracking never holds training back: calls are queued for one logging thread, a dead server is
 one warning, the final flush gives up in seconds; a URI that cannot work is refused at once."""
 
 from __future__ import annotations
@@ -113,10 +113,9 @@ def test_a_hung_server_makes_the_flush_give_up_with_one_warning(capsys):
     log.close(timeout=0.5)
     err = capsys.readouterr().err
     assert err.count("warning: MLflow") == 1 and "gave up after 0.5 s" in err
-    log.log_metrics({"b": 1.0}, 2)  # after giving up, calls are kept for saving, not queued behind the hang
+    log.log_metrics({"b": 1.0}, 2)  # after giving up, calls are dropped, not queued behind the hang
+    assert log._queue.qsize() <= 2
     client.gate.set()
-    log.flush(timeout=30)
-    assert client.calls == [["a"]], client.calls
 
 
 def test_a_failing_kind_stops_only_that_kind(capsys):

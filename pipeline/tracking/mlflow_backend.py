@@ -1,5 +1,5 @@
 """MLflow adapter behind :mod:`pipeline.tracking`: it and its siblings `mlflow_client` (connection),
-`mlflow_logger` (async logging and its policy) and `mlflow_models` (checkpoints, registry) are the only modules
+`mlflow_logger` (the logging thread) and `mlflow_models` (checkpoints, registry) are the only modules
 that import the MLflow SDK. This one holds the run lifecycle: parent runs, stage runs, stale runs.
 
 Run layout. The caller of a pipeline execution (the Prefect flow, ``python -m pipeline all``,
@@ -20,8 +20,7 @@ those whose end is among the calls saved for later (below): it makes those calls
 Failure policy: the tracking backend is probed when a stage starts, *before* any training; an
 unreachable server raises :class:`TrackingUnavailableError` (an ``InputError``: one line, exit 2)
 naming the URI and how to turn tracking off. Calls during training go
-through MLflow's async logging (metrics, params, tags) and one worker thread (artifacts, models),
-with the policy in :class:`MlflowLogger`, so the training loop never waits on the server.
+through one logging thread (:class:`MlflowLogger`), so the training loop never waits on the server.
 A failure while logging warns once and turns off calls of the same kind (metrics, tables,
 artifacts, tags) for that stage: training is never lost for the sake of a metric, and a broken
 artifact store does not take the metrics with it; a server that stops answering warns once and

@@ -1,20 +1,19 @@
-"""The stage logger: MLflow's async logging for one run's metrics, params and tags, a worker thread
-for its artifacts and models, and the failure policy over both (see
-:mod:`pipeline.tracking.mlflow_backend`); and the calls a run could not deliver in time, saved for a
-later run to make (:func:`save_pending`, :func:`load_pending`).
+"""The stage logger: one logging thread per MLflow run and its failure policy (see
+:mod:`pipeline.tracking.mlflow_backend`), and the calls a run could not deliver in time, saved for
+a later run to make (:func:`save_pending`, :func:`load_pending`).
 """
 
 from __future__ import annotations
 
+import collections
 import importlib
 import json
-import logging
 import os
+import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,89 +144,41 @@ def _log_table_quietly(log: MlflowLogger, log_table: ClientMethod, frame, artifa
 
 # --------------------------------------------------------------------------- stage logger
 
-class _Unmade(Exception):
-    """A call the logger did not make: the server had stopped answering, or the stage gave up waiting.
-    It is kept for :func:`save_pending`, never retried here."""
-
-    def __init__(self, what: str):
-        super().__init__(f"{what} {UNMADE}")
-
-
-UNMADE = "not made: tracking is off for this stage"
-
-
-def _made(future: Future) -> bool:
-    return future.done() and not future.cancelled() and future.exception() is None
-
-
-class _QuietUnmade(logging.Filter):
-    """MLflow's async queue logs an error for every batch whose call raised; a batch this logger
-    skipped on purpose (the server is down, and one warning said so) is not news."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return UNMADE not in record.getMessage()
-
-
-logging.getLogger("mlflow.utils.async_logging.async_logging_queue").addFilter(_QuietUnmade())
-
-
 class MlflowLogger:
     """:class:`pipeline.tracking.Logger` writing to one MLflow run through an explicit client
     (no fluent global state, so concurrent Prefect task threads cannot mix runs up).
 
-    The training thread never waits on the server. Metrics, params and tags go through MLflow's own
-    async logging (an :class:`~mlflow.utils.async_logging.async_logging_queue.AsyncLoggingQueue` of
-    this run, one worker so calls are made in order); artifacts, tables, models, the registry and the
-    run's end through one worker thread of a ``concurrent.futures`` pool, in order. This class is the
-    policy over both: a failing call warns once and turns off calls of its kind; a server that stops
-    answering (connection refused, timeouts) warns once and turns all of them off, and every call not
-    made yet is then skipped at once instead of sent. :meth:`close` waits at most FLUSH_TIMEOUT_S for
-    what is queued, then gives up with one warning; :meth:`end` ends the run, waits longer for a
-    server that answers, and saves what it could not deliver.
+    Every call is queued for one logging thread: the training thread never waits on the server.
+    A failing call warns once and turns off calls of its kind; a server that stops answering
+    (connection refused, timeouts) warns once and turns all of them off. :meth:`close` waits at
+    most FLUSH_TIMEOUT_S for what is queued, then gives up with one warning; :meth:`end` ends the
+    run, waits longer for a server that answers, and saves what it could not deliver.
 
     A queued ``fn`` is a callable, a :class:`ClientMethod` (or its name) or a :class:`WithLogger`;
     the last two can be saved and made by another process (see :func:`save_pending`)."""
 
     def __init__(self, client, run_id: str, uri: str):
-        from mlflow.utils.async_logging.async_logging_queue import AsyncLoggingQueue
-
         self.client, self.run_id, self.uri = client, run_id, uri
         self._broken: set[str] = set()
-        self._down = False  # the server stopped answering (or the stage gave up): everything is skipped
+        self._down = False  # the server stopped answering: everything is skipped
         self._down_lock = threading.Lock()
         self.last: dict[str, float] = {}  # the last value of every metric logged
-        self._calls: list[tuple[tuple, Future]] = []  # every queued call and its outcome, in order
-        self._calls_lock = threading.Lock()
-        self._batches = AsyncLoggingQueue(self._log_batch)
-        with temporary_env({"MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE": "1"}):  # one worker: calls in order
-            self._batches.activate()
-        self._others = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlflow-{run_id[:8]}")
+        self._queue: queue.Queue = queue.Queue()
+        self._unmade: collections.deque = collections.deque()  # queued calls not made yet, in order
+        self._unmade_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._work, name=f"mlflow-{run_id[:8]}", daemon=True)
+        self._thread.start()
 
-    def _log_batch(self, run_id: str, metrics: list, params: list, tags: list) -> None:
-        """MLflow's async queue calls this for each batch: one logger call, since batches are merged only
-        when MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS is set (then a failed merged batch is not saved
-        for later as its parts: the policy's warnings still hold)."""
-        what = "log_metrics" if metrics else "log_params" if params else "set_tags"
-        self._make(what, self.client.log_batch, run_id, metrics=metrics, params=params, tags=tags)
-
-    def _make(self, what: str, fn, *args, **kwargs) -> None:
-        """Make one call on a worker; if it fails, warn once and skip calls of the same kind for the rest
-        of the stage (all calls, if the server stopped answering). Training never stops for tracking.
-        Raises :class:`_Unmade` when the call was not made for a server that is down (it is saved)."""
-        if self._down:
-            raise _Unmade(what)
-        if what in self._broken:
-            return
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:
-            msg = " ".join(str(exc).split())[:200]
-            if _unreachable(exc) or not self._answers():
-                self._mark_down(f"{type(exc).__name__}: {msg}")
-                raise _Unmade(what) from None
-            self._broken.add(what)
-            print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
-                  f"{what} disabled for the rest of this stage", file=sys.stderr)
+    def _work(self) -> None:
+        while True:
+            what, fn, args, kwargs = self._queue.get()
+            if what == "__stop__":
+                return
+            if what == "__flush__":
+                fn()
+            elif self._call(what, self._resolve(fn), *args, **kwargs):
+                with self._unmade_lock:
+                    self._unmade.popleft()  # calls are made in queue order: this one was first
 
     def _resolve(self, fn):
         if isinstance(fn, str):
@@ -242,63 +193,47 @@ class MlflowLogger:
         return ClientMethod(name, getattr(self.client, name))
 
     def _guard(self, what: str, fn, *args, **kwargs) -> None:
-        """Queue `fn(*args, **kwargs)` (skipped if its kind failed before); `fn` a callable, a
-        :class:`ClientMethod` or a :class:`WithLogger`."""
+        """Queue `fn(*args, **kwargs)` for the logging thread (skipped if its kind failed before);
+        `fn` a callable, a :class:`ClientMethod` or a :class:`WithLogger`."""
         if not (self._down or what in self._broken):
             self._put((what, fn, args, kwargs))
 
     def _put(self, item: tuple) -> None:
-        """Queue a call: a ``log_batch`` on MLflow's async queue, anything else on the worker thread.
-        Once the server is down it is only kept (for :meth:`finish` to save)."""
-        what, fn, args, kwargs = item
-        if self._down or not self._batches.is_active():
-            future: Future = Future()
-            future.set_exception(_Unmade(what))
-        elif isinstance(fn, ClientMethod) and fn.name == "log_batch":
-            ops = self._batches.log_batch_async(run_id=args[0], metrics=list(kwargs.get("metrics", ())),
-                                                params=list(kwargs.get("params", ())),
-                                                tags=list(kwargs.get("tags", ())))
-            (future,) = ops._operation_futures  # one batch, one future
-        else:  # after every call queued before it (the run's end after its last metrics)
-            with self._calls_lock:
-                before = [f for _, f in self._calls if not f.done()]
-            future = self._submit(what, self._resolve(fn), before, *args, **kwargs)
-        with self._calls_lock:
-            if len(self._calls) >= 256:  # forget the calls made: only the unmade ones matter
-                self._calls = [c for c in self._calls if not _made(c[1])]
-            self._calls.append((item, future))
+        """Queue a call; once the server is down it is only kept (for :meth:`finish` to save)."""
+        with self._unmade_lock:
+            self._unmade.append(item)
+        if not self._down:
+            self._queue.put(item)
 
-    def _submit(self, what: str, fn, before: list[Future], *args, **kwargs) -> Future:
-        def make() -> None:
-            wait(before)
-            self._make(what, fn, *args, **kwargs)
-
+    def _call(self, what: str, fn, *args, **kwargs) -> bool:
+        """Call `fn`; if it fails, warn once and skip calls of the same kind for the rest of the stage
+        (all calls, if the server stopped answering). Training never stops for tracking. False when
+        the call was not made for a server that is down (it stays for :meth:`finish` to save)."""
+        if self._down:
+            return False
+        if what in self._broken:
+            return True
         try:
-            return self._others.submit(make)
-        except RuntimeError:  # the worker was shut down (the stage gave up on the server)
-            future: Future = Future()
-            future.set_exception(_Unmade(what))
-            return future
-
-    def _unmade(self) -> list[tuple]:
-        with self._calls_lock:
-            return [item for item, future in self._calls if not _made(future)]
+            fn(*args, **kwargs)
+        except Exception as exc:
+            msg = " ".join(str(exc).split())[:200]
+            if _unreachable(exc) or not self._answers():
+                self._mark_down(f"{type(exc).__name__}: {msg}")
+                return False
+            self._broken.add(what)
+            print(f"warning: MLflow {what} failed on {self.uri} ({type(exc).__name__}: {msg}); "
+                  f"{what} disabled for the rest of this stage", file=sys.stderr)
+        return True
 
     def _mark_down(self, reason: str) -> None:
-        """The server stopped answering: skip every call from now on; warn once (a worker and the
-        end-of-stage flush can both find out)."""
-        if self._give_up():
-            print(f"warning: MLflow at {self.uri} stopped answering ({reason}); "
-                  "tracking is off for the rest of this stage, training goes on", file=sys.stderr)
-
-    def _give_up(self) -> bool:
-        """Make no further call: the queued ones are skipped (kept for saving); True the first time."""
+        """The server stopped answering: skip every call from now on; warn once (the logging thread
+        and the end-of-stage flush can both find out)."""
         with self._down_lock:
             if self._down:
-                return False
+                return
             self._down = True
-        self._others.shutdown(wait=False, cancel_futures=True)
-        return True
+        print(f"warning: MLflow at {self.uri} stopped answering ({reason}); "
+              "tracking is off for the rest of this stage, training goes on", file=sys.stderr)
 
     def _answers(self) -> bool:
         """After a failed call: does the server still answer its health check (2 s, no retries)?"""
@@ -315,11 +250,11 @@ class MlflowLogger:
         done. A server whose health check fails is not waited for. With `progress` (:meth:`finish`),
         a line every PROGRESS_S s says how many calls are still queued and the health check is asked
         again; the caller then saves what is left instead of a warning that it is lost."""
-        with self._calls_lock:
-            futures = [future for _, future in self._calls]
+        done = threading.Event()
+        self._queue.put(("__flush__", done.set, (), {}))
         start = time.monotonic()
         deadline, probe_at = start + timeout, start + 0.5
-        while wait(futures, timeout=0.05).not_done:
+        while not done.wait(0.05):
             now = time.monotonic()
             if self._down or now > deadline:  # a dead server: nothing left worth waiting for
                 break
@@ -328,27 +263,27 @@ class MlflowLogger:
             if now >= probe_at:
                 probe_at = now + PROGRESS_S if progress else float("inf")
                 if progress and now - start >= PROGRESS_S:
-                    print(f"MLflow at {self.uri} is slow: {len(self._unmade())} tracking calls still queued after "
+                    print(f"MLflow at {self.uri} is slow: {len(self._unmade)} tracking calls still queued after "
                           f"{now - start:.0f} s (waiting at most {timeout:g} s)", file=sys.stderr)
                 if not self._answers():
                     self._mark_down("no answer to its health check at the end of the stage")
         else:
-            return not self._down
+            return True
         if not (self._down or progress):  # (with progress the caller saves what is left)
-            print(f"warning: MLflow at {self.uri}: gave up after {timeout:g} s on {len(self._unmade())} "
+            print(f"warning: MLflow at {self.uri}: gave up after {timeout:g} s on {len(self._unmade)} "
                   "queued tracking calls; the run's last metrics may be missing", file=sys.stderr)
-        self._give_up()
+        self._down = True
         return False
 
     def close(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
-        """Flush (bounded by `timeout`), then stop both workers."""
+        """Flush (bounded by `timeout`), then stop the logging thread."""
         if self.flush(timeout):
-            self._others.shutdown(wait=True)
-            self._batches.shut_down_async_logging()
+            self._queue.put(("__stop__", None, (), {}))
+            self._thread.join(timeout)
 
     def end(self, status: str, timeout: float = END_TIMEOUT_S) -> bool:
-        """End the run (FINISHED, FAILED, KILLED) once its batches are in, even when tracking went off
-        for this stage, then :meth:`finish`. True when the server took it all."""
+        """End the run (FINISHED, FAILED, KILLED): its end is queued behind everything else, even when
+        tracking went off for this stage, then :meth:`finish`. True when the server took it all."""
         self._put(("set_terminated", "set_terminated", (self.run_id,), {"status": status}))
         return self.finish(timeout)
 
@@ -360,12 +295,12 @@ class MlflowLogger:
         try:
             done = not self._down and self.flush(timeout, progress=True)
         finally:
-            self._give_up()  # no further call (but the one in flight on each worker)
-            calls = [] if done else [c for c in self._unmade() if c[0] not in self._broken]
+            self._down = True  # the logging thread makes no further call (but the one in flight)
+            self._queue.put(("__stop__", None, (), {}))
+            with self._unmade_lock:
+                calls = [] if done else [c for c in self._unmade if c[0] not in self._broken]
             if calls:
                 save_pending(self, calls)
-        if done:
-            self._batches.shut_down_async_logging()
         return done
 
     def log_params(self, params: dict[str, Any]) -> None:

@@ -82,7 +82,7 @@ def model_dir(checkpoint: Path, out: Path) -> Path:
 
 
 def _log_model(log: MlflowLogger, folder: str, stage: str, sha: str) -> None:
-    """On the logger's worker thread (or in a later run making the calls this one saved): the checkpoint
+    """On the logging thread (or in a later run making the calls this one saved): the checkpoint
     as an MLflow Model (a LoggedModel named after the stage, linked to the run as its output, shown
     in the runs list's Models column), its id in the run's ``grpo.model_id`` tag."""
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
@@ -102,7 +102,7 @@ def _log_model(log: MlflowLogger, folder: str, stage: str, sha: str) -> None:
 
 
 def _register_uploaded(log: MlflowLogger, name: str, sha: str) -> None:
-    """Register the run's checkpoint model: on the logger's worker thread, after the upload it depends on (or
+    """Register the run's checkpoint model: on the logging thread, after the upload it depends on (or
     in a later run making the calls this one saved), and only if that upload went through."""
     model_id = log.client.get_run(log.run_id).data.tags.get(MODEL_ID_TAG)
     if "log_model" not in log._broken and model_id:
