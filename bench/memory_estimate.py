@@ -7,8 +7,8 @@ One GPU, one process (under DDP each rank holds the same weights and a 1/nproc s
 rows; under `parallel: fsdp` each rank holds a 1/nproc shard of the weights, the reference, the
 gradients and AdamW's moments, plus a whole copy of the weights to sample from, and a pass gathers
 the root's weights (embeddings, final norm, head) and one block at a time with the next prefetched;
-autocast's bf16 copy is still counted whole). Bytes counted, per phase (G rows per prompt, N = prompts_per_iter * G rows, T = prompt +
-rollout tokens, m = micro_batch_size or the minibatch's rows):
+autocast's bf16 copy is still counted whole). Bytes counted, per phase (G rows per prompt,
+N = prompts_per_iter * G rows, T = prompt + rollout tokens, m = micro_batch_size or the minibatch's rows):
 
 - static: policy weights (param_dtype), the frozen reference (a second copy; none under LoRA,
   which disables the adapters instead), gradients (in the weights' dtype) and two fp32 AdamW
@@ -107,6 +107,11 @@ def layer_activation_bytes(shape: Shape, autocast: bool) -> int:
     return 4 * (8 * d + 4 * ffn + 2 * kv)
 
 
+def sharded(stage_conf) -> bool:
+    """The stage shards its model over ranks (`parallel: fsdp` with more than one)."""
+    return stage_conf.parallel == "fsdp" and stage_conf.nproc > 1
+
+
 def estimate(cfg, shape: Shape, prompt_tokens: int, stage: str = "grpo") -> dict[str, float]:
     """Peak bytes per phase (see the module docstring) for `cfg` (a pipeline Config)."""
     g, m, e = getattr(cfg, stage), cfg.model, cfg.evaluate
@@ -118,7 +123,7 @@ def estimate(cfg, shape: Shape, prompt_tokens: int, stage: str = "grpo") -> dict
     weights = P * wb + (0 if lora or g.kl_coef == 0 else P * wb)
     grad_b, master = (4, 0) if lora or wb == 4 else (2, 4)  # peft's adapters are fp32; bf16: fp32 masters
     train_state = trainable * (grad_b + 8 + master)  # gradients, two fp32 AdamW moments, masters
-    shards = g.nproc if g.parallel == "fsdp" and g.nproc > 1 else 1
+    shards = g.nproc if sharded(g) else 1
     root = shape.vocab * shape.d * (1 if shape.tied else 2) + shape.d  # embeddings, head, final norm
     # fsdp: each rank's shards, the sampler's whole copy, and what a pass gathers (the root, two blocks)
     static = (weights + train_state) / shards + (P * wb if shards > 1 else 0)
@@ -149,7 +154,7 @@ def report(cfg, shape: Shape, prompt_tokens: int, label: str) -> dict:
           f"grpo: {g.prompts_per_iter} prompts x {g.group_size}, rollout {g.rollout_len}, prompt ~{prompt_tokens} "
           f"tokens, micro_batch_size {g.micro_batch_size or 'whole minibatch'}, "
           f"gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"
-          f"{f', fsdp over {g.nproc} ranks (per rank)' if g.parallel == 'fsdp' and g.nproc > 1 else ''}")
+          f"{f', fsdp over {g.nproc} ranks (per rank)' if sharded(g) else ''}")
     peak = max(v for k, v in est.items() if k not in ("params", "trainable", "static"))
     for phase in ("static", "rollout", "logprobs", "update", "evaluate"):
         print(f"  {phase:9s} {est[phase] / GB:7.1f} GB")
