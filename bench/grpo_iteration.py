@@ -32,7 +32,7 @@ GPU's datasheet dense bf16 peak where known (H100/H200 SXM: 989.4 TFLOP/s) and
 
     .venv/bin/python bench/grpo_iteration.py [--params params.yaml] [--set grpo.group_size=16 ...]
         [--gsm8k PATH] [--threads 1] [--iters 1] [--stage grpo|warmup] [--ab-full-logits] [--ab-shared-prompt]
-        [--ab-recompute-old] [--ab-onednn]
+        [--ab-recompute-old] [--ab-full-width] [--ab-onednn]
 
 The last line printed is a JSON object.
 """
@@ -102,6 +102,24 @@ def _twin_recomputing_old(cfg, stage: str):
     return iteration
 
 
+def _twin_full_width(cfg, stage: str):
+    """One iteration of a second set-up (same seeds) whose micro-batch log-prob passes run at the
+    batch's full width (every micro-batch padded to the longest response of the batch, the behaviour
+    before ``pipeline.stages.grpo.micro_logprobs`` cut each to its own), for its iterations only."""
+    import pipeline.stages.grpo as grpo_mod
+
+    twin = GRPOIterations(cfg, stage)
+
+    def iteration():
+        own = grpo_mod.own_width
+        grpo_mod.own_width = lambda mask: mask.shape[1]
+        try:
+            return twin.iteration()
+        finally:
+            grpo_mod.own_width = own
+    return iteration
+
+
 def _twin_on_onednn(cfg, stage: str):
     """One iteration of a second set-up (same seeds) whose fp32 linear layers (the rollout's packed
     weights, the log-prob passes, the update's forward and input gradients) run on oneDNN's GEMM
@@ -149,6 +167,9 @@ def main() -> None:
                     help="also time a twin trainer that recomputes the old log-probs with a forward pass instead "
                          "of taking the rollout's recorded ones (matters with several optimizer steps per "
                          "iteration: --stage warmup, or minibatch_groups / grpo_epochs), alternating")
+    ap.add_argument("--ab-full-width", action="store_true",
+                    help="also time a twin trainer whose micro-batches (micro_batch_size > 0) run their log-prob "
+                         "and update passes at the batch's full width instead of their own, alternating")
     ap.add_argument("--ab-onednn", action="store_true",
                     help="also time a twin trainer whose fp32 linear layers run on oneDNN's GEMM instead of MKL's "
                          "(bench/onednn.py: another order of float sums, not the pipeline's kernel), alternating")
@@ -212,6 +233,8 @@ def main() -> None:
             runs["per_row_prompts"] = _twin(cfg, args.stage, lambda lp: lambda *a, group_size=1, **k: lp(*a, **k))
         if args.ab_recompute_old:  # the old pass recomputed (the plain path of that lever only)
             runs["recomputed_old"] = _twin_recomputing_old(cfg, args.stage)
+        if args.ab_full_width:
+            runs["full_width"] = _twin_full_width(cfg, args.stage)
         if args.ab_onednn:
             runs["onednn"] = _twin_on_onednn(cfg, args.stage)
         all_times = alternate(runs, args.iters)
@@ -301,6 +324,14 @@ def main() -> None:
         print(f"A/B: old log-probs recomputed {old_s:.3f}s vs the rollout's recorded ones {wall:.3f}s = "
               f"{old_s / wall:.2f}x; paired {fmt_ratios(ab['recorded_old_pairs'])} ("
               + ", ".join(f"{t:.3f}" for t in all_times["recomputed_old"]) + ")")
+    if args.ab_full_width:
+        full_s = statistics.median_low(all_times["full_width"])  # the statistic of `wall`
+        ab.update({"full_width_s": round(full_s, 4), "own_width_speedup": round(full_s / wall, 3),
+                   "full_width_times": [round(t, 4) for t in all_times["full_width"]],
+                   "own_width_pairs": pair_ratios(all_times, "full_width", "iteration")})
+        print(f"A/B: micro-batches at the batch's full width {full_s:.3f}s vs their own width {wall:.3f}s = "
+              f"{full_s / wall:.2f}x; paired {fmt_ratios(ab['own_width_pairs'])} ("
+              + ", ".join(f"{t:.3f}" for t in all_times["full_width"]) + ")")
     if args.ab_onednn:
         dnn_s = statistics.median_low(all_times["onednn"])  # the statistic of `wall`
         ab.update({"onednn_s": round(dnn_s, 4), "onednn_times": [round(t, 4) for t in all_times["onednn"]],

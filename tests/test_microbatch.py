@@ -14,7 +14,7 @@ import torch
 from pipeline.core.config import GRPOConfig
 from pipeline.rl.loss import group_advantages
 from pipeline.rl.rollout import rollout_prompts
-from pipeline.stages.grpo import Batch, accumulate_gradients, micro_batches
+from pipeline.stages.grpo import Batch, accumulate_gradients, micro_batches, micro_logprobs, own_width
 from tests.conftest import tiny_model_config
 
 PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: What is 12 - 5?\nAnswer:", "Question: 7 + 1?\nAnswer:"]
@@ -71,6 +71,54 @@ def test_micro_batches_give_the_one_batch_gradient(setup, loss_agg, importance, 
             torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
         if loss_agg == "token-mean":  # token-weighted statistics are exact too
             torch.testing.assert_close(stats["kl"], stats0["kl"], atol=1e-10, rtol=0)
+
+
+def test_own_width_ends_at_the_last_column_any_row_attends():
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0, 0],
+                         [1, 1, 1, 1, 1, 0, 0]])
+    assert own_width(mask) == 5
+    assert own_width(mask[:1]) == 4
+    assert own_width(torch.ones(2, 3, dtype=torch.long)) == 3
+    assert own_width(torch.zeros(2, 3, dtype=torch.long)) == 3  # no column attended: nothing to cut
+
+
+def test_micro_batch_log_probs_over_their_own_width_are_the_full_width_ones(any_policy):
+    """Every backend: the rows of the shortest group, passed at their own width, get the log-probs and
+    the gradients of the full-width pass (the shared-prompt path and the plain one), and the policy
+    is really called narrower."""
+    policy = any_policy
+    policy.module.double()
+    policy.eval()
+    ro = rollout_prompts(policy, PROMPTS, G, 12, stop_ids=[], generator=torch.Generator().manual_seed(5))
+    # the first group's rows stopped after 3, 5, 4 and 2 tokens (pads after them), the batch runs to 12
+    ids, attn = ro.input_ids[:G].clone(), ro.attention_mask[:G].clone()
+    for row, n in enumerate((3, 5, 4, 2)):
+        ids[row, ro.prompt_len + n:] = policy.tokenizer.pad_id
+        attn[row, ro.prompt_len + n:] = 0
+    widths = []
+    real = policy.token_logprobs
+
+    def spy(input_ids, *a, **k):
+        widths.append(input_ids.shape[1])
+        return real(input_ids, *a, **k)
+
+    for group in (G, 1):  # the shared-prompt path, then every row's own prompt
+        policy.module.zero_grad(set_to_none=True)
+        want = real(ids, attn, start=ro.prompt_len, group_size=group)
+        want.sum().backward()
+        want_grads = [p.grad.clone() for p in policy.parameters()]
+        policy.module.zero_grad(set_to_none=True)
+        policy.token_logprobs = spy
+        try:
+            got = micro_logprobs(policy, ids, attn, 1.0, ro.prompt_len, group)
+        finally:
+            del policy.token_logprobs
+        assert widths[-1] == ro.prompt_len + 5 < ids.shape[1] == ro.prompt_len + 12
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+        got.sum().backward()
+        for a, b in zip((p.grad for p in policy.parameters()), want_grads):  # the module docstring's 1e-7 bound
+            torch.testing.assert_close(a, b, atol=1e-8, rtol=0)
 
 
 def test_micro_batches_cover_the_rows_once():

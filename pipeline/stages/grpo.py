@@ -371,6 +371,27 @@ def micro_batches(rows: slice, size: int) -> list[slice]:
     return [slice(s, min(s + size, rows.stop)) for s in range(rows.start, rows.stop, size)]
 
 
+def own_width(attention_mask: torch.Tensor) -> int:
+    """Columns up to the last one any row of `attention_mask` (n, T) attends: a rollout pads every
+    row to the batch's longest response, so a micro-batch of shorter rows ends in columns that are
+    pads in all of its rows."""
+    cols = attention_mask.any(0).nonzero()
+    return int(cols[-1]) + 1 if cols.numel() else attention_mask.shape[1]
+
+
+def micro_logprobs(model: Policy, ids: torch.Tensor, attn: torch.Tensor, temperature: float, start: int,
+                   group: int) -> torch.Tensor:
+    """`model.token_logprobs` of one micro-batch over its own width (:func:`own_width`), padded back to
+    (n, T) with zeros. Causal attention: no kept column reads a dropped one, so the kept columns' log-
+    probs and gradients are those of the full-width pass; the dropped columns are pads, 0 there too.
+    With a rollout's lengths (a few rows run to `rollout_len`, most stop far sooner) most micro-batches
+    are much narrower than the batch."""
+    T = ids.shape[1]
+    width = max(own_width(attn), min(start + 1, T))
+    logp = model.token_logprobs(ids[:, :width], attn[:, :width], temperature, start=start, group_size=group)
+    return torch.nn.functional.pad(logp, (0, T - width)) if width < T else logp
+
+
 def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, start: int,
                          sampled: torch.Tensor | None = None):
     """(old, ref) per-token log-probs under inference mode, `micro_batch_size` rows per pass;
@@ -387,8 +408,7 @@ def old_and_ref_logprobs(run: GRPORun, ids: torch.Tensor, attn: torch.Tensor, st
     parts = micro_batches(slice(0, ids.shape[0]), conf.micro_batch_size)
 
     def passes(model) -> torch.Tensor:
-        return torch.cat([model.token_logprobs(ids[sl], attn[sl], conf.temperature, start=start, group_size=group)
-                          for sl in parts])
+        return torch.cat([micro_logprobs(model, ids[sl], attn[sl], conf.temperature, start, group) for sl in parts])
 
     # a sharded module's passes reuse its gathered-weight buffers in training: no inference tensors there
     with torch.no_grad() if run.sharded else torch.inference_mode():
@@ -430,8 +450,8 @@ def accumulate_gradients(policy: Policy, conf: GRPOConfig, batch: Batch, rows: s
         # DDP all-reduces once, on the last micro-batch: forward and backward both inside `no_sync`
         # (DDP decides at the forward whether the next backward reduces)
         with contextlib.nullcontext() if last else policy.no_sync():
-            new_lp = policy.token_logprobs(batch.input_ids[sl], batch.attention_mask[sl], conf.temperature,
-                                           start=batch.start, group_size=group)
+            new_lp = micro_logprobs(policy, batch.input_ids[sl], batch.attention_mask[sl], conf.temperature,
+                                    batch.start, group)
             old = new_lp.detach() if batch.old_logprobs is None else batch.old_logprobs[sl]
             ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
             loss, st = grpo_loss(new_lp, old, ref, batch.advantages[sl], batch.response_mask[sl], clip=conf.clip,
