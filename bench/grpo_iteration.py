@@ -146,6 +146,20 @@ def _twin(cfg, stage: str, patch):
     return twin.iteration
 
 
+def paired_ab(all_times: dict[str, list[float]], wall: float, twin: str, lever: str, twin_label: str,
+              label: str) -> dict:
+    """The A/B figures of a twin trainer timed alternately with the iteration (`wall` its median):
+    `<twin>_s` (the same statistic), `<lever>_speedup`, `<twin>_times` and `<lever>_pairs` (the
+    paired ratios twin / iteration); printed as one line."""
+    twin_s = statistics.median_low(all_times[twin])  # the statistic of `wall`
+    out = {f"{twin}_s": round(twin_s, 4), f"{lever}_speedup": round(twin_s / wall, 3),
+           f"{twin}_times": [round(t, 4) for t in all_times[twin]],
+           f"{lever}_pairs": pair_ratios(all_times, twin, "iteration")}
+    print(f"A/B: {twin_label} {twin_s:.3f}s vs {label} {wall:.3f}s = {twin_s / wall:.2f}x; paired "
+          f"{fmt_ratios(out[f'{lever}_pairs'])} (" + ", ".join(f"{t:.3f}" for t in all_times[twin]) + ")")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default=str(Path(__file__).resolve().parents[1] / "params.yaml"))
@@ -317,21 +331,11 @@ def main() -> None:
         print(f"A/B: every row's prompt in the log-prob passes {row_s:.3f}s vs once per group {wall:.3f}s "
               f"= {row_s / wall:.2f}x (" + ", ".join(f"{t:.3f}" for t in all_times["per_row_prompts"]) + ")")
     if args.ab_recompute_old:
-        old_s = statistics.median_low(all_times["recomputed_old"])  # the statistic of `wall`
-        ab.update({"recomputed_old_s": round(old_s, 4), "recorded_old_speedup": round(old_s / wall, 3),
-                   "recomputed_old_times": [round(t, 4) for t in all_times["recomputed_old"]],
-                   "recorded_old_pairs": pair_ratios(all_times, "recomputed_old", "iteration")})
-        print(f"A/B: old log-probs recomputed {old_s:.3f}s vs the rollout's recorded ones {wall:.3f}s = "
-              f"{old_s / wall:.2f}x; paired {fmt_ratios(ab['recorded_old_pairs'])} ("
-              + ", ".join(f"{t:.3f}" for t in all_times["recomputed_old"]) + ")")
+        ab.update(paired_ab(all_times, wall, "recomputed_old", "recorded_old",
+                            "old log-probs recomputed", "the rollout's recorded ones"))
     if args.ab_full_width:
-        full_s = statistics.median_low(all_times["full_width"])  # the statistic of `wall`
-        ab.update({"full_width_s": round(full_s, 4), "own_width_speedup": round(full_s / wall, 3),
-                   "full_width_times": [round(t, 4) for t in all_times["full_width"]],
-                   "own_width_pairs": pair_ratios(all_times, "full_width", "iteration")})
-        print(f"A/B: micro-batches at the batch's full width {full_s:.3f}s vs their own width {wall:.3f}s = "
-              f"{full_s / wall:.2f}x; paired {fmt_ratios(ab['own_width_pairs'])} ("
-              + ", ".join(f"{t:.3f}" for t in all_times["full_width"]) + ")")
+        ab.update(paired_ab(all_times, wall, "full_width", "own_width",
+                            "micro-batches at the batch's full width", "their own width"))
     if args.ab_onednn:
         dnn_s = statistics.median_low(all_times["onednn"])  # the statistic of `wall`
         ab.update({"onednn_s": round(dnn_s, 4), "onednn_times": [round(t, 4) for t in all_times["onednn"]],
