@@ -84,39 +84,20 @@ def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, 
             "scoring": 0.0}
 
 
-def _twin_recomputing_old(cfg, stage: str):
-    """One iteration of a second set-up (same seeds) that recomputes the old log-probs with a forward
-    pass of the policy instead of reusing the rollout's (`pipeline.stages.grpo.reuses_sampled_logprobs`
-    off for its iterations only)."""
+def _twin_with(cfg, stage: str, name: str, value):
+    """One iteration of a second set-up (same seeds) with `pipeline.stages.grpo`'s `name` replaced by
+    `value` for its iterations only (the lever that name switches, turned off)."""
     import pipeline.stages.grpo as grpo_mod
 
     twin = GRPOIterations(cfg, stage)
 
     def iteration():
-        reuse = grpo_mod.reuses_sampled_logprobs
-        grpo_mod.reuses_sampled_logprobs = lambda policy: False
+        real = getattr(grpo_mod, name)
+        setattr(grpo_mod, name, value)
         try:
             return twin.iteration()
         finally:
-            grpo_mod.reuses_sampled_logprobs = reuse
-    return iteration
-
-
-def _twin_full_width(cfg, stage: str):
-    """One iteration of a second set-up (same seeds) whose micro-batch log-prob passes run at the
-    batch's full width (every micro-batch padded to the longest response of the batch, the behaviour
-    before ``pipeline.stages.grpo.micro_logprobs`` cut each to its own), for its iterations only."""
-    import pipeline.stages.grpo as grpo_mod
-
-    twin = GRPOIterations(cfg, stage)
-
-    def iteration():
-        own = grpo_mod.own_width
-        grpo_mod.own_width = lambda mask: mask.shape[1]
-        try:
-            return twin.iteration()
-        finally:
-            grpo_mod.own_width = own
+            setattr(grpo_mod, name, real)
     return iteration
 
 
@@ -246,9 +227,11 @@ def main() -> None:
         if args.ab_shared_prompt:  # each row runs its own prompt (no `group_size`)
             runs["per_row_prompts"] = _twin(cfg, args.stage, lambda lp: lambda *a, group_size=1, **k: lp(*a, **k))
         if args.ab_recompute_old:  # the old pass recomputed (the plain path of that lever only)
-            runs["recomputed_old"] = _twin_recomputing_old(cfg, args.stage)
+            # the old log-probs recomputed with a forward pass instead of the rollout's recorded ones
+            runs["recomputed_old"] = _twin_with(cfg, args.stage, "reuses_sampled_logprobs", lambda policy: False)
         if args.ab_full_width:
-            runs["full_width"] = _twin_full_width(cfg, args.stage)
+            # every micro-batch at the batch's full width (the longest response), not its own
+            runs["full_width"] = _twin_with(cfg, args.stage, "own_width", lambda mask: mask.shape[1])
         if args.ab_onednn:
             runs["onednn"] = _twin_on_onednn(cfg, args.stage)
         all_times = alternate(runs, args.iters)
