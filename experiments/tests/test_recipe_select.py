@@ -1,0 +1,109 @@
+"""experiments/recipe_select.py: the validation draw never touches the held-out set, the table by hand,
+and a run of its CLI over tiny checkpoints asked exactly as the evaluate stage asks."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from experiments import recipe_select as rs
+from pipeline.data.arithmetic import PHRASINGS, generate_curriculum, sample_problem, to_row
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """A tiny Llama from a config, saved with a chat template (tests/conftest.py's builder)."""
+    from pipeline.data.tokenizer import train_tokenizer
+    from tests.conftest import CHAT_TEMPLATE, arithmetic_texts, save_tiny_hf
+
+    tokenizer = train_tokenizer(arithmetic_texts(), vocab_size=320)
+    return save_tiny_hf(tmp_path_factory.mktemp("llama") / "m", "llama", tokenizer, CHAT_TEMPLATE)
+
+
+TEMPLATE = "{question}\nGive the final answer as <answer>N</answer>."
+
+
+@settings(max_examples=200, deadline=None)
+@given(level=st.integers(1, 5), seed=st.integers(0, 10**6))
+def test_expression_reads_back_every_phrasing(level, seed):
+    rng = random.Random(seed)
+    p = sample_problem(level, rng)
+    for phrasing in PHRASINGS:
+        assert rs.expression(phrasing.format(e=p.expr)) == p.expr
+    assert rs.expression(to_row(p, "x", rng, TEMPLATE)["question"]) == p.expr
+
+
+def test_expression_refuses_a_question_of_another_shape():
+    with pytest.raises(ValueError, match="not a curriculum question"):
+        rs.expression("Natalia sold clips to 48 of her friends. How many?")
+
+
+def test_validation_is_disjoint_from_the_held_out_set_distinct_and_seeded():
+    _, held = generate_curriculum(200, 300, 3, 0, TEMPLATE, "lines")
+    rows = rs.validation_rows(held, 300, 3, 1, TEMPLATE, "lines")
+    held_exprs = {rs.expression(r["question"]) for r in held}
+    exprs = [rs.expression(r["question"]) for r in rows]
+    assert not held_exprs & set(exprs) and len(set(exprs)) == len(exprs)
+    per_level = {lv: sum(r["level"] == lv for r in rows) for lv in (1, 2, 3)}
+    # level 1 has 155 distinct expressions; the held-out set takes 100, so 55 are left
+    assert per_level == {1: 55, 2: 100, 3: 100}
+    assert all(r["prompt"] == r["question"] + "\nGive the final answer as <answer>N</answer>." for r in rows)
+    assert rs.validation_rows(held, 300, 3, 1, TEMPLATE, "lines") == rows
+    assert rs.validation_rows(held, 300, 3, 2, TEMPLATE, "lines") != rows
+
+
+def test_table_hand_computed():
+    rows = [{"level": lv} for lv in (1, 1, 2, 2)]
+    scored = {"ref": [{"correct": c, "well_formed": w} for c, w in ((1, 1), (0, 0), (0, 1), (0, 1))],
+              "new": [{"correct": c, "well_formed": 1} for c in (1, 1, 1, 0)]}
+    t = rs.table(rows, scored, draws=500)
+    assert t["problems"] == {"all": 4, "level1": 2, "level2": 2}
+    assert t["entries"]["ref"] == {"all": 25.0, "level1": 50.0, "level2": 0.0, "well_formed": 75.0}
+    vs = t["entries"]["new"]["vs_ref"]
+    assert (vs["all"]["diff"], vs["all"]["only_a"], vs["all"]["only_b"]) == (50.0, 2, 0)
+    assert (vs["level1"]["diff"], vs["level2"]["diff"]) == (50.0, 50.0)
+    assert "| new | 75.0% | 100.0% | 50.0% | 100.0% | +50.0 [" in rs.markdown(t)
+
+
+def _recipe_folder(tmp_path, model: str, tokenizer) -> None:
+    params = {"data": {"chat_template": True, "arith_max_level": 2, "arith_solution": "lines",
+                       "prompt_template": TEMPLATE},
+              "model": {"backend": "hf", "init": model, "num_threads": 1},
+              "evaluate": {"max_new_tokens": 3, "batch_size": 8}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    _, held = generate_curriculum(50, 20, 2, 0, TEMPLATE, "lines")
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "arith_eval.jsonl", "w") as f:
+        for r in held:
+            f.write(json.dumps({**r, "prompt": tokenizer.chat_prompt(r["prompt"], "")}) + "\n")
+
+
+def test_cli_scores_checkpoints_as_the_evaluate_stage_asks(tmp_path, model, capsys):
+    from pipeline.data.tokenizer import load_hf_tokenizer
+
+    _recipe_folder(tmp_path, model, load_hf_tokenizer(model))
+    out = tmp_path / "select.json"
+    assert rs.main([str(tmp_path), f"a={model}", f"b={model}", "--size", "12", "--draws", "100",
+                    "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["problems"] == {"all": 12, "level1": 6, "level2": 6}
+    same = result["entries"]["b"]["vs_a"]["all"]
+    assert (same["diff"], same["only_a"], same["only_b"]) == (0.0, 0, 0)  # one model, greedy: the same answers
+    written = json.loads(out.read_text())
+    assert written["seed"] == 1 and len(written["rows"]) == 12
+    assert [p["id"] for p in written["predictions"]["a"]] == [r["id"] for r in written["rows"]]
+
+
+def test_cli_stops_when_the_held_out_prompts_were_prepared_otherwise(tmp_path, model):
+    from pipeline.data.tokenizer import load_hf_tokenizer
+
+    _recipe_folder(tmp_path, model, load_hf_tokenizer(model))
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["data"]["chat_template"] = False
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(SystemExit, match="prepared under other params"):
+        rs.main([str(tmp_path), f"a={model}", "--size", "4"])
