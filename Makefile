@@ -42,7 +42,7 @@ run: setup
 
 # The pretrained-model recipe (recipes/smollm2: its own dvc.yaml, params.yaml, dvc.lock and results):
 # SmolLM2-135M-Instruct from its package on the index, GRPO on arithmetic then GSM8K, scored against its
-# zero-shot and few-shot self. The same flow as `run`, in that folder (about 45 min on 2 cores, 12 GB).
+# zero-shot and few-shot self. The same flow as `run`, in that folder (about 1 h on 2 cores, 12 GB).
 RECIPE ?= recipes/smollm2
 run-instruct: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m flows.grpo_pipeline \
