@@ -6,12 +6,15 @@
 A hyperparameter picked by its held-out test score is fitted to that test, and the score then
 overstates it. So a choice between settings is made here: on arithmetic problems drawn afresh
 (seeded by ``--seed``, every level equally often as far as each level has distinct problems left),
-none of whose expressions is in the recipe's held-out set (``data/arith_eval.jsonl``), asked in the
-same phrasings and prompt, scored greedily by the evaluate stage's own code (``evaluate_task``:
-``evaluate.max_new_tokens``, the verifier). Level 1 has 155 distinct expressions, so after a
-held-out set of 100 per level at most 55 are left for validation. The first checkpoint is the
-reference: every other one gets its paired difference to it, with a seeded bootstrap interval
-(``recipe_report.paired``), overall and per level. Prints a markdown table and, last, one JSON object.
+none of whose expressions is in the recipe's held-out set (``data/arith_eval.jsonl``) or in its
+training stream (``data/arith_train.jsonl``, which the warmup draws its prompts from, so a problem
+there may have been trained on), asked in the same phrasings and prompt, scored greedily by the
+evaluate stage's own code (``evaluate_task``: ``evaluate.max_new_tokens``, the verifier). A small
+level can run out: level 1 has 155 distinct expressions, and a held-out set of 100 per level with a
+training stream of thousands takes them all, so the draw then has no level-1 problem. The first
+checkpoint is the reference: every other one gets its paired difference to it, with a seeded
+bootstrap interval (``recipe_report.paired``), overall and per level. Prints a markdown table and,
+last, one JSON object.
 """
 
 from __future__ import annotations
@@ -40,14 +43,15 @@ def expression(question: str) -> str:
     raise ValueError(f"not a curriculum question: {question!r}")
 
 
-def validation_rows(held_out: list[dict], size: int, max_level: int, seed: int, template: str,
+def validation_rows(excluded: list[dict], size: int, max_level: int, seed: int, template: str,
                     style: str) -> list[dict]:
-    """`size` problems (levels round-robin, shuffled by `seed`), distinct, none in `held_out`; a level
-    whose distinct problems run out gives fewer."""
+    """`size` problems (levels round-robin, shuffled by `seed`), distinct, none asking an expression of
+    the `excluded` rows (the held-out set and the training stream); a level whose distinct problems
+    run out gives fewer."""
     if not 1 <= max_level <= MAX_LEVEL:
         raise ValueError(f"max_level must be in 1..{MAX_LEVEL}, got {max_level}")
     rng = random.Random(f"arith-val-{seed}")
-    taken = {expression(r["question"]) for r in held_out}
+    taken = {expression(r["question"]) for r in excluded}
     levels = [1 + i % max_level for i in range(size)]
     rng.shuffle(levels)
     rows, exhausted = [], set()
@@ -123,6 +127,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise SystemExit(f"{path}: not found (run the recipe's prepare stage, or dvc pull, first)")
+    return [json.loads(line) for line in path.open() if line.strip()]
+
+
 def check_prompts(held: dict, checkpoint: str, data) -> None:
     """Stop unless a held-out row's stored prompt is what :func:`rendered` makes of its question: the
     validation rows are then asked as the evaluate stage asks the held-out ones."""
@@ -137,23 +147,29 @@ def check_prompts(held: dict, checkpoint: str, data) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("folder", type=Path, help="the recipe's folder: its params.yaml and data/arith_eval.jsonl")
+    p.add_argument("folder", type=Path,
+                   help="the recipe's folder: its params.yaml, data/arith_eval.jsonl and data/arith_train.jsonl")
     p.add_argument("checkpoints", nargs="+", help="NAME=FOLDER, the first the reference")
     p.add_argument("--size", type=int, default=300, help="validation problems asked for")
     p.add_argument("--seed", type=int, default=1, help="seed of the validation draw")
     p.add_argument("--draws", type=int, default=10000)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: model.num_threads)")
-    p.add_argument("--out", type=Path, help="also write the table and every prediction here (JSON)")
+    p.add_argument("--out", type=Path, help="also write the table, the seed, the validation rows and every prediction here (JSON)")
     args = p.parse_args(argv)
     pairs = [c.split("=", 1) for c in args.checkpoints]
-    if any(len(c) != 2 or not c[0] for c in pairs) or len({c[0] for c in pairs}) != len(pairs):
+    if any(len(c) != 2 or not all(c) for c in pairs) or len({c[0] for c in pairs}) != len(pairs):
         p.error("each checkpoint is NAME=FOLDER, with distinct names")
+    missing = [folder for _, folder in pairs if not Path(folder).is_dir()]
+    if missing:  # before any checkpoint spends minutes scoring
+        p.error(f"no checkpoint folder at {', '.join(missing)}")
     from pipeline.core.config_loading import load_config
 
     d = load_config(args.folder / "params.yaml").data
-    held_out = [json.loads(line) for line in (args.folder / "data" / "arith_eval.jsonl").open() if line.strip()]
-    rows = validation_rows(held_out, args.size, d.arith_max_level, args.seed, d.prompt_template, d.arith_solution)
-    check_prompts(held_out[0], pairs[0][1], d)
+    held_out, train = (read_jsonl(args.folder / "data" / f"arith_{split}.jsonl") for split in ("eval", "train"))
+    rows = validation_rows(held_out + train, args.size, d.arith_max_level, args.seed, d.prompt_template,
+                           d.arith_solution)
+    for _, folder in pairs:
+        check_prompts(held_out[0], folder, d)
     scored = {name: score(args.folder, Path(folder), rows, args.threads) for name, folder in pairs}
     result = table(rows, scored, args.draws)
     print(markdown(result))

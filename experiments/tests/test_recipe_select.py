@@ -56,6 +56,15 @@ def test_validation_is_disjoint_from_the_held_out_set_distinct_and_seeded():
     assert rs.validation_rows(held, 300, 3, 2, TEMPLATE, "lines") != rows
 
 
+def test_validation_leaves_out_the_training_stream_and_a_level_it_exhausts():
+    train, held = generate_curriculum(3000, 300, 3, 0, TEMPLATE, "lines")
+    rows = rs.validation_rows(held + train, 300, 3, 1, TEMPLATE, "lines")
+    seen = {rs.expression(r["question"]) for r in held + train}
+    assert not seen & {rs.expression(r["question"]) for r in rows}
+    # the stream's 1,000 level-1 rows hold the 55 level-1 expressions the held-out set leaves
+    assert {lv: sum(r["level"] == lv for r in rows) for lv in (1, 2, 3)} == {1: 0, 2: 100, 3: 100}
+
+
 def test_table_hand_computed():
     rows = [{"level": lv} for lv in (1, 1, 2, 2)]
     scored = {"ref": [{"correct": c, "well_formed": w} for c, w in ((1, 1), (0, 0), (0, 1), (0, 1))],
@@ -69,23 +78,33 @@ def test_table_hand_computed():
     assert "| new | 75.0% | 100.0% | 50.0% | 100.0% | +50.0 [" in rs.markdown(t)
 
 
-def _recipe_folder(tmp_path, model: str, tokenizer) -> None:
+def _recipe_folder(tmp_path, model: str) -> None:
+    """params.yaml and data/ as the prepare stage writes them (its own chat rendering)."""
+    from pipeline.core.config_loading import load_config
+    from pipeline.data.tokenizer import load_hf_tokenizer
+    from pipeline.stages.prepare import _render_chat
+
     params = {"data": {"chat_template": True, "arith_max_level": 2, "arith_solution": "lines",
                        "prompt_template": TEMPLATE},
               "model": {"backend": "hf", "init": model, "num_threads": 1},
               "evaluate": {"max_new_tokens": 3, "batch_size": 8}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    _, held = generate_curriculum(50, 20, 2, 0, TEMPLATE, "lines")
+    train, held = generate_curriculum(50, 20, 2, 0, TEMPLATE, "lines")
+    splits = {"arith_train": train, "arith_eval": held}
+    _render_chat(splits, load_hf_tokenizer(model), load_config(tmp_path / "params.yaml"))
     (tmp_path / "data").mkdir()
-    with open(tmp_path / "data" / "arith_eval.jsonl", "w") as f:
-        for r in held:
-            f.write(json.dumps({**r, "prompt": tokenizer.chat_prompt(r["prompt"], "")}) + "\n")
+    for name, rows in splits.items():
+        (tmp_path / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_cli_scores_checkpoints_as_the_evaluate_stage_asks(tmp_path, model, capsys):
-    from pipeline.data.tokenizer import load_hf_tokenizer
+def test_cli_scores_checkpoints_on_prompts_rendered_as_the_prepare_stage_renders(tmp_path, model, capsys, monkeypatch):
+    from pipeline.stages import evaluate
 
-    _recipe_folder(tmp_path, model, load_hf_tokenizer(model))
+    _recipe_folder(tmp_path, model)
+    asked = []
+    real = evaluate.evaluate_task
+    monkeypatch.setattr(evaluate, "evaluate_task", lambda policy, rows, *a, **k: asked.append(rows) or real(
+        policy, rows, *a, **k))
     out = tmp_path / "select.json"
     assert rs.main([str(tmp_path), f"a={model}", f"b={model}", "--size", "12", "--draws", "100",
                     "--out", str(out)]) == 0
@@ -96,14 +115,30 @@ def test_cli_scores_checkpoints_as_the_evaluate_stage_asks(tmp_path, model, caps
     written = json.loads(out.read_text())
     assert written["seed"] == 1 and len(written["rows"]) == 12
     assert [p["id"] for p in written["predictions"]["a"]] == [r["id"] for r in written["rows"]]
+    # each checkpoint was asked the validation rows as prepare renders a row: the chat template's user turn
+    from pipeline.core.config_loading import load_config
+    from pipeline.data.tokenizer import load_hf_tokenizer
+    from pipeline.stages.prepare import _render_chat
+
+    expected = {"v": [dict(r) for r in written["rows"]]}
+    _render_chat(expected, load_hf_tokenizer(model), load_config(tmp_path / "params.yaml"))
+    assert len(asked) == 2 and all([r["prompt"] for r in rows] == [r["prompt"] for r in expected["v"]] for rows in asked)
+    assert all(r["prompt"] != w["prompt"] for r, w in zip(asked[0], written["rows"]))
 
 
 def test_cli_stops_when_the_held_out_prompts_were_prepared_otherwise(tmp_path, model):
-    from pipeline.data.tokenizer import load_hf_tokenizer
-
-    _recipe_folder(tmp_path, model, load_hf_tokenizer(model))
+    _recipe_folder(tmp_path, model)
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
     params["data"]["chat_template"] = False
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     with pytest.raises(SystemExit, match="prepared under other params"):
         rs.main([str(tmp_path), f"a={model}", "--size", "4"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["noequals"], "NAME=FOLDER"), (["a="], "NAME=FOLDER"), (["=x"], "NAME=FOLDER"),
+    (["a=.", "a=."], "distinct names"), (["a=/no/such/checkpoint"], "no checkpoint folder at /no/such/checkpoint")])
+def test_cli_refuses_bad_checkpoint_arguments_before_scoring(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        rs.main([str(tmp_path), *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
