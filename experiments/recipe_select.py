@@ -127,12 +127,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise SystemExit(f"{path}: not found (run the recipe's prepare stage, or dvc pull, first)")
-    return [json.loads(line) for line in path.open() if line.strip()]
-
-
 def check_prompts(held: dict, checkpoint: str, data) -> None:
     """Stop unless a held-out row's stored prompt is what :func:`rendered` makes of its question: the
     validation rows are then asked as the evaluate stage asks the held-out ones."""
@@ -163,9 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     if missing:  # before any checkpoint spends minutes scoring
         p.error(f"no checkpoint folder at {', '.join(missing)}")
     from pipeline.core.config_loading import load_config
+    from pipeline.core.errors import InputError
+    from pipeline.data.schema import read_rows
 
     d = load_config(args.folder / "params.yaml").data
-    held_out, train = (read_jsonl(args.folder / "data" / f"arith_{split}.jsonl") for split in ("eval", "train"))
+    try:  # the prepare stage's files, checked row by row
+        held_out, train = (read_rows(args.folder / "data" / f"arith_{split}.jsonl") for split in ("eval", "train"))
+    except InputError as exc:
+        raise SystemExit(str(exc)) from None
     rows = validation_rows(held_out + train, args.size, d.arith_max_level, args.seed, d.prompt_template,
                            d.arith_solution)
     for _, folder in pairs:
