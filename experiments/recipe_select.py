@@ -1,7 +1,7 @@
 """Choose between a recipe's trained checkpoints on a validation set, never on its held-out test.
 
     python experiments/recipe_select.py recipes/smollm2 current=runs/a/checkpoints/warmup \\
-        informative=runs/b/checkpoints/warmup [--size 300] [--seed 1] [--out runs/select.json]
+        informative=runs/b/checkpoints/warmup [--size 300] [--seed 1] [--fewshot 4] [--out runs/select.json]
 
 A hyperparameter picked by its held-out test score is fitted to that test, and the score then
 overstates it. So a choice between settings is made here: on arithmetic problems drawn afresh
@@ -13,8 +13,11 @@ evaluate stage's own code (``evaluate_task``: ``evaluate.max_new_tokens``, the v
 level can run out: level 1 has 155 distinct expressions, and a held-out set of 100 per level with a
 training stream of thousands takes them all, so the draw then has no level-1 problem. The first
 checkpoint is the reference: every other one gets its paired difference to it, with a seeded
-bootstrap interval (``recipe_report.paired``), overall and per level. Prints a markdown table and,
-last, one JSON object.
+bootstrap interval (``recipe_report.paired``), overall and per level. ``--fewshot N`` asks every
+checkpoint after N worked examples instead, as the evaluate stage's few-shot entries do (the first N
+rows of ``data/arith_train.jsonl``, ``pipeline.data.prompts.fewshot_prompt``): a choice between
+prompted baselines, such as the examples' solution format, is then made here too. Prints a
+markdown table and, last, one JSON object.
 """
 
 from __future__ import annotations
@@ -70,8 +73,10 @@ def validation_rows(excluded: list[dict], size: int, max_level: int, seed: int, 
     return rows
 
 
-def score(folder: Path, checkpoint: Path, rows: list[dict], threads: int) -> list[dict]:
-    """The evaluate stage's greedy predictions of `checkpoint` on `rows`, under `folder`'s params."""
+def score(folder: Path, checkpoint: Path, rows: list[dict], threads: int,
+          shots: list[tuple[str, str]] | None = None) -> list[dict]:
+    """The evaluate stage's greedy predictions of `checkpoint` on `rows`, under `folder`'s params; after
+    the worked examples `shots` ((question, solution) pairs) when given, as its few-shot entries."""
     import torch
 
     from pipeline.core.config_loading import load_config
@@ -82,8 +87,11 @@ def score(folder: Path, checkpoint: Path, rows: list[dict], threads: int) -> lis
     torch.set_num_threads(threads or cfg.model.num_threads or torch.get_num_threads())
     policy = load_policy(checkpoint, run=cfg.model)
     policy.eval()
-    return evaluate_task(policy, [{**r, "prompt": rendered(r["prompt"], policy.tokenizer, cfg.data)} for r in rows],
-                         cfg, samples=0)
+    from pipeline.data.prompts import fewshot_prompt
+
+    ask = ((lambda r: fewshot_prompt(r["question"], shots, policy.tokenizer, cfg.data)) if shots
+           else (lambda r: rendered(r["prompt"], policy.tokenizer, cfg.data)))
+    return evaluate_task(policy, [{**r, "prompt": ask(r)} for r in rows], cfg, samples=0)
 
 
 def rendered(prompt: str, tokenizer, data) -> str:
@@ -148,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1, help="seed of the validation draw")
     p.add_argument("--draws", type=int, default=10000)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: model.num_threads)")
+    p.add_argument("--fewshot", type=int, default=0, metavar="N",
+                   help="ask after the first N worked examples of data/arith_train.jsonl (0: zero-shot)")
     p.add_argument("--out", type=Path, help="also write the table, the seed, the validation rows and every prediction here (JSON)")
     args = p.parse_args(argv)
+    if args.fewshot < 0:
+        p.error(f"--fewshot is a number of worked examples, 0 or more; got {args.fewshot}")
     pairs = [c.split("=", 1) for c in args.checkpoints]
     if any(len(c) != 2 or not all(c) for c in pairs) or len({c[0] for c in pairs}) != len(pairs):
         p.error("each checkpoint is NAME=FOLDER, with distinct names")
@@ -169,11 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                            d.arith_solution)
     for _, folder in pairs:
         check_prompts(held_out[0], folder, d)
-    scored = {name: score(args.folder, Path(folder), rows, args.threads) for name, folder in pairs}
+    shots = [(r["question"], r["solution"]) for r in train[:args.fewshot]]
+    scored = {name: score(args.folder, Path(folder), rows, args.threads, shots) for name, folder in pairs}
     result = table(rows, scored, args.draws)
     print(markdown(result))
     if args.out:
-        args.out.write_text(json.dumps({**result, "seed": args.seed, "rows": rows, "predictions": scored}) + "\n")
+        args.out.write_text(json.dumps({**result, "seed": args.seed, "fewshot": args.fewshot, "rows": rows,
+                                        "predictions": scored}) + "\n")
     print(json.dumps(result))
     return 0
 

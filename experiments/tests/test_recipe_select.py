@@ -21,7 +21,7 @@ def model(tmp_path_factory) -> str:
     from tests.conftest import CHAT_TEMPLATE, arithmetic_texts, save_tiny_hf
 
     tokenizer = train_tokenizer(arithmetic_texts(), vocab_size=320)
-    return save_tiny_hf(tmp_path_factory.mktemp("llama") / "m", "llama", tokenizer, CHAT_TEMPLATE)
+    return save_tiny_hf(tmp_path_factory.mktemp("llama") / "m", "llama", tokenizer, CHAT_TEMPLATE, max_positions=512)
 
 
 TEMPLATE = "{question}\nGive the final answer as <answer>N</answer>."
@@ -126,6 +126,35 @@ def test_cli_scores_checkpoints_on_prompts_rendered_as_the_prepare_stage_renders
     assert all(r["prompt"] != w["prompt"] for r, w in zip(asked[0], written["rows"]))
 
 
+def test_cli_fewshot_asks_after_the_first_worked_examples_of_the_training_stream(tmp_path, model, capsys,
+                                                                               monkeypatch):
+    """--fewshot 2: every question after the training stream's first two rows as earlier chat turns, as the
+    evaluate stage's few-shot entries ask; the examples' solutions are in the prompt, the question last."""
+    from pipeline.core.config_loading import load_config
+    from pipeline.data.tokenizer import load_hf_tokenizer
+    from pipeline.stages import evaluate
+
+    _recipe_folder(tmp_path, model)
+    asked = []
+    real = evaluate.evaluate_task
+    monkeypatch.setattr(evaluate, "evaluate_task", lambda policy, rows, *a, **k: asked.append(rows) or real(
+        policy, rows, *a, **k))
+    out = tmp_path / "select.json"
+    assert rs.main([str(tmp_path), f"a={model}", "--size", "6", "--fewshot", "2", "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    train = [json.loads(line) for line in (tmp_path / "data" / "arith_train.jsonl").read_text().splitlines()]
+    tokenizer, data = load_hf_tokenizer(model), load_config(tmp_path / "params.yaml").data
+    (rows,) = asked
+    assert written["fewshot"] == 2 and len(rows) == 6
+    for row, val in zip(rows, written["rows"]):
+        user = lambda q: TEMPLATE.format(question=q)  # noqa: E731
+        turns = [(user(t["question"]), t["solution"]) for t in train[:2]]
+        assert row["prompt"] == tokenizer.chat_prompt(user(val["question"]), data.system_prompt, turns)
+        assert train[0]["solution"] in row["prompt"] and train[1]["solution"] in row["prompt"]
+        assert train[2]["solution"] not in row["prompt"]
+        assert row["prompt"].rindex(val["question"]) > row["prompt"].rindex(train[1]["solution"])
+
+
 def test_cli_stops_when_the_held_out_prompts_were_prepared_otherwise(tmp_path, model):
     _recipe_folder(tmp_path, model)
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
@@ -137,7 +166,8 @@ def test_cli_stops_when_the_held_out_prompts_were_prepared_otherwise(tmp_path, m
 
 @pytest.mark.parametrize("args, message", [
     (["noequals"], "NAME=FOLDER"), (["a="], "NAME=FOLDER"), (["=x"], "NAME=FOLDER"),
-    (["a=.", "a=."], "distinct names"), (["a=/no/such/checkpoint"], "no checkpoint folder at /no/such/checkpoint")])
+    (["a=.", "a=."], "distinct names"), (["a=/no/such/checkpoint"], "no checkpoint folder at /no/such/checkpoint"),
+    (["a=.", "--fewshot", "-1"], "--fewshot is a number of worked examples, 0 or more")])
 def test_cli_refuses_bad_checkpoint_arguments_before_scoring(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
         rs.main([str(tmp_path), *args])
