@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import yaml
@@ -97,15 +98,21 @@ def _recipe_folder(tmp_path, model: str) -> None:
         (tmp_path / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_cli_scores_checkpoints_on_prompts_rendered_as_the_prepare_stage_renders(tmp_path, model, capsys, monkeypatch):
+def _asked(tmp_path, model: str, monkeypatch) -> tuple[list[list[dict]], Path]:
+    """A recipe folder, and the list that collects the rows `evaluate_task` is asked (the evaluate stage's
+    own function still scores them); with the path for the CLI's --out."""
     from pipeline.stages import evaluate
 
     _recipe_folder(tmp_path, model)
-    asked = []
+    asked: list[list[dict]] = []
     real = evaluate.evaluate_task
     monkeypatch.setattr(evaluate, "evaluate_task", lambda policy, rows, *a, **k: asked.append(rows) or real(
         policy, rows, *a, **k))
-    out = tmp_path / "select.json"
+    return asked, tmp_path / "select.json"
+
+
+def test_cli_scores_checkpoints_on_prompts_rendered_as_the_prepare_stage_renders(tmp_path, model, capsys, monkeypatch):
+    asked, out = _asked(tmp_path, model, monkeypatch)
     assert rs.main([str(tmp_path), f"a={model}", f"b={model}", "--size", "12", "--draws", "100",
                     "--out", str(out)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -132,14 +139,7 @@ def test_cli_fewshot_asks_after_the_first_worked_examples_of_the_training_stream
     evaluate stage's few-shot entries ask; the examples' solutions are in the prompt, the question last."""
     from pipeline.core.config_loading import load_config
     from pipeline.data.tokenizer import load_hf_tokenizer
-    from pipeline.stages import evaluate
-
-    _recipe_folder(tmp_path, model)
-    asked = []
-    real = evaluate.evaluate_task
-    monkeypatch.setattr(evaluate, "evaluate_task", lambda policy, rows, *a, **k: asked.append(rows) or real(
-        policy, rows, *a, **k))
-    out = tmp_path / "select.json"
+    asked, out = _asked(tmp_path, model, monkeypatch)
     assert rs.main([str(tmp_path), f"a={model}", "--size", "6", "--fewshot", "2", "--out", str(out)]) == 0
     written = json.loads(out.read_text())
     train = [json.loads(line) for line in (tmp_path / "data" / "arith_train.jsonl").read_text().splitlines()]
