@@ -80,6 +80,7 @@ def score(folder: Path, checkpoint: Path, rows: list[dict], threads: int,
     import torch
 
     from pipeline.core.config_loading import load_config
+    from pipeline.data.prompts import fewshot_prompt
     from pipeline.stages.evaluate import evaluate_task
     from pipeline.train.checkpoint import load_policy
 
@@ -87,8 +88,6 @@ def score(folder: Path, checkpoint: Path, rows: list[dict], threads: int,
     torch.set_num_threads(threads or cfg.model.num_threads or torch.get_num_threads())
     policy = load_policy(checkpoint, run=cfg.model)
     policy.eval()
-    from pipeline.data.prompts import fewshot_prompt
-
     ask = ((lambda r: fewshot_prompt(r["question"], shots, policy.tokenizer, cfg.data)) if shots
            else (lambda r: rendered(r["prompt"], policy.tokenizer, cfg.data)))
     return evaluate_task(policy, [{**r, "prompt": ask(r)} for r in rows], cfg, samples=0)
@@ -158,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: model.num_threads)")
     p.add_argument("--fewshot", type=int, default=0, metavar="N",
                    help="ask after the first N worked examples of data/arith_train.jsonl (0: zero-shot)")
-    p.add_argument("--out", type=Path, help="also write the table, the seed, the validation rows and every prediction here (JSON)")
+    p.add_argument("--out", type=Path,
+                   help="also write the table, the seed, the validation rows and every prediction here (JSON)")
     args = p.parse_args(argv)
     if args.fewshot < 0:
         p.error(f"--fewshot is a number of worked examples, 0 or more; got {args.fewshot}")

@@ -129,7 +129,8 @@ def test_cli_scores_checkpoints_on_prompts_rendered_as_the_prepare_stage_renders
 
     expected = {"v": [dict(r) for r in written["rows"]]}
     _render_chat(expected, load_hf_tokenizer(model), load_config(tmp_path / "params.yaml"))
-    assert len(asked) == 2 and all([r["prompt"] for r in rows] == [r["prompt"] for r in expected["v"]] for rows in asked)
+    want = [r["prompt"] for r in expected["v"]]
+    assert len(asked) == 2 and all([r["prompt"] for r in rows] == want for rows in asked)
     assert all(r["prompt"] != w["prompt"] for r, w in zip(asked[0], written["rows"]))
 
 
