@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.core.errors import InputError
+from pipeline.core.files import did_you_mean
 
 
 def _run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -60,18 +61,18 @@ def apply_overrides(params: Path, overrides: list[str]) -> None:
         raise InputError(f"{params.name}: cannot apply {' '.join(overrides)}: {str(cause).splitlines()[0]}") from None
 
 
-def check_gsm8k_source(work: Path) -> None:
+def check_gsm8k_source(work: Path, overrides: list[str] | None = None) -> None:
     """DVC hashes ``data.gsm8k_source`` as the prepare stage's dependency (``dvc.yaml``) and stops on a
     missing one before the stage starts (``[Errno 2] No such file or directory``); a source that is not
     a file or folder of ``work`` (a hub id, a mistyped path) is one line here, before any stage."""
     from pipeline.core.config_loading import load_config
 
-    source = load_config(work / "params.yaml").data.gsm8k_source
+    source = load_config(work / "params.yaml", overrides).data.gsm8k_source
     if not (work / source).exists():
         raise InputError(f"data.gsm8k_source = {source!r}: no such file or folder; a run through DVC hashes the "
                          "GSM8K source as the prepare stage's dependency, so it must be a local copy (a folder with "
                          "train.jsonl and test.jsonl, or the dataset's Parquet files); a hub id is read only outside "
-                         "DVC (python -m pipeline all --set data.gsm8k_source=ID)")
+                         f"DVC (python -m pipeline all --set data.gsm8k_source=ID){did_you_mean(source, work)}")
 
 
 def _copy_workspace_state(root: Path, dst: Path) -> None:
@@ -149,8 +150,9 @@ def experiment_copy(root: str | Path, name: str, overrides: list[str]) -> Iterat
         check_gsm8k_source(work)
         _take_resume_states(root, key, work)
         yield work
-    except BaseException:
-        keep = bool(_resume_states(work))  # stopped mid-training: the next run with these overrides resumes
+    except BaseException as exc:
+        # stopped mid-training: the next run with these overrides resumes; finished but not saved: kept whole
+        keep = bool(_resume_states(work)) or isinstance(exc, ExperimentNotSaved)
         raise
     finally:
         if not keep:
@@ -168,8 +170,23 @@ def push_experiment(work: Path, name: str, remote: str) -> str:
     return remote
 
 
+class ExperimentNotSaved(InputError):
+    """``dvc exp save`` refused a finished run, a stop the user acts on (one line): its copy is kept
+    (``experiment_copy``), so nothing is lost."""
+
+
 def save_experiment(work: Path, name: str) -> str:
-    """``dvc exp save`` the copy's state (params, dvc.lock, metrics, plots) as experiment ``name``."""
-    _run(_dvc("exp", "save", "--force", "-n", name, "--include-untracked", "metrics", "--include-untracked", "plots"),
-         work)
+    """``dvc exp save`` the copy's state (params, dvc.lock, metrics, plots) as experiment ``name``.
+
+    The save names the pipeline's own ``dvc.yaml`` (as ``dvc exp run`` commits only the stages it
+    reproduced): without a target DVC commits every stage of every ``dvc.yaml`` in the project, and a
+    recipe's (``recipes/*/dvc.yaml``) outputs, such as its downloaded model, are missing from any clone
+    that never ran it. When the save still fails, the copy stays where it is and the error names it, so
+    a run's half hour of training is never deleted with it."""
+    res = _run(_dvc("exp", "save", "--force", "-n", name, "-m", f"dvc: flow run {name}",
+                    "--include-untracked", "metrics", "--include-untracked", "plots", "dvc.yaml"), work, check=False)
+    if res.returncode != 0:
+        why = ((res.stderr or res.stdout).strip().splitlines() or ["no output"])[-1].removeprefix("ERROR: ")
+        raise ExperimentNotSaved(f"experiment {name}: {why}; the run's outputs are kept in {work} "
+                                 f"(`dvc exp save -n {name} dvc.yaml` there saves them)")
     return name

@@ -180,11 +180,14 @@ def copy_repo(dst: Path, git: bool = True) -> Path:
     """The repo's files as a clone would have them, without .ci/ and tests/, copied into `dst`, with
     the smoke config written out in full as params.yaml and GSM8K read from the fixture; with `git`,
     `dst` becomes a fresh git repo of one commit. Untracked files come too (new code not yet added).
-    Pipeline outputs never come: neither what a `make run` in this checkout wrote nor the default run's
-    committed results (metrics, plot series, dvc.lock), which belong to params.yaml, not the smoke config."""
+    The recipes come as a clone has them (their dvc.yaml, params, lock and committed results, none of
+    the outputs a recipe run leaves, such as its downloaded model): DVC sees every dvc.yaml of the
+    project, so a copy without them would hide what a user's clone meets. The default pipeline's
+    outputs never come: neither what a `make run` in this checkout wrote nor its committed results
+    (metrics, plot series, dvc.lock), which belong to params.yaml, not the smoke config."""
     for rel in _git_files("-c") + _git_files("-o", "--exclude-standard"):
         src = REPO / rel
-        if src.is_file() and not rel.startswith((".ci/", "tests/", "recipes/", *PIPELINE_OUTPUTS)):
+        if src.is_file() and not rel.startswith((".ci/", "tests/", *PIPELINE_OUTPUTS)):
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
     # written out in full: DVC tracks (and `dvc exp run -S` can set) only keys present in the file

@@ -143,7 +143,7 @@ def test_served_deployment_runs_on_trigger(tmp_path, prefect_server):
                 mine = [r for r in runs if r.name.rsplit("-", 1)[0] == stage]
                 assert len(mine) == 1 and mine[0].state.is_completed(), (stage, runs)
         assert {p: (repo / p).read_bytes() for p in before} == before  # the workspace as it was found
-        assert "up to date" in sh(repo, "dvc", "status")
+        assert "up to date" in sh(repo, "dvc", "status", "dvc.yaml")
         data = experiment(repo, flow_run.name)
         assert data["params"]["params.yaml"]["data"]["grpo"]["kl_coef"] == 0.02
         assert "grpo" in data["metrics"]["metrics/train.json"]["data"]
