@@ -35,7 +35,7 @@ from pipeline.core import distributed as dist_utils
 from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig
 from pipeline.core.errors import InputError, TrainingDivergedError
 from pipeline.core.files import write_series_csv
-from pipeline.core.progress import progress_bar
+from pipeline.core.progress import Pace, progress_bar
 from pipeline.data.prompts import fewshot_prompt
 from pipeline.data.schema import read_rows
 from pipeline.model import fast
@@ -156,6 +156,7 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
             tracker.log_params(cfg.flat())
             tracker.set_tags({"stage": stage, "resumed_from": str(state.iteration)})
         task = bar.add_task(stage, total=state.total_iters, completed=state.iteration, info="")
+        pace = Pace(state.iteration, state.total_iters)
         while state.iteration < state.total_iters:
             metrics, samples = grpo_iteration(run, state, verifier)
             state.iteration += 1
@@ -169,7 +170,7 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
             info = progress_info(metrics, conf.dynamic_sampling)
             bar.update(task, completed=it, total=state.total_iters, info=info)
             if is_main and (it % conf.log_every == 0 or it == state.total_iters):
-                log_iteration(tracker, stage, state, metrics, samples, info)
+                log_iteration(tracker, stage, state, metrics, samples, f"{info}  {pace.text(it)}")
             # --- save ----------------------------------------------------------------------------
             if it % conf.save_every == 0 and it < state.total_iters:
                 gens = dist_utils.gather_tensors(run.generator.get_state())  # every rank's, for an exact resume

@@ -56,7 +56,7 @@ from pipeline.core import distributed as dist_utils
 from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
 from pipeline.core.errors import InputError
 from pipeline.core.files import write_series_csv
-from pipeline.core.progress import progress_bar
+from pipeline.core.progress import Pace, progress_bar
 from pipeline.data.prompts import response_text
 from pipeline.data.schema import read_rows
 from pipeline.data.sft_batches import (Example, MixedBatches, collate, encode_examples, length_chunks, rank_share,
@@ -209,6 +209,7 @@ def run_sft(cfg: Config, stage: str = "sft") -> dict[str, Any]:
     with stage_logger(cfg, stage, enabled=is_main) as tracker, progress_bar(enabled=is_main) as bar:
         tracker.log_params({f"{stage}/num_params": run.policy.num_params(), f"{stage}/dropped_long": run.dropped})
         task = bar.add_task(stage, total=s.steps, completed=state.step, info="")
+        pace = Pace(state.step, s.steps, unit="step")
         run.policy.train()
         while state.step < s.steps:
             state.step += 1
@@ -220,7 +221,7 @@ def run_sft(cfg: Config, stage: str = "sft") -> dict[str, Any]:
             bar.update(task, completed=step, info=f"loss {loss:.3f}")
             # --- log, evaluate, save ----------------------------------------------------------------
             if step % s.log_every == 0 or last:
-                log_loss(tracker, run.stage, state, lr, s.steps, is_main)
+                log_loss(tracker, run.stage, state, lr, s.steps, is_main, pace.text(step))
             if (s.eval_every and step % s.eval_every == 0) or last:
                 evaluate(run, state, tracker)  # every rank: the checks are sharded
                 if is_main:
@@ -279,13 +280,14 @@ def sft_step(run: SFTRun, state: SFTState) -> float:
     return loss
 
 
-def log_loss(tracker: Logger, stage: str, state: SFTState, lr: float, total: int, is_main: bool = True) -> None:
+def log_loss(tracker: Logger, stage: str, state: SFTState, lr: float, total: int, is_main: bool = True,
+             pace: str = "") -> None:
     mean_loss = sum(state.window) / len(state.window) if state.window else float("nan")
     state.window.clear()
     _record(state.series, state.step, {"loss": mean_loss})
     tracker.log_metrics({f"{stage}/loss": mean_loss, f"{stage}/lr": lr}, step=state.step)
     if is_main:
-        log.info("%s step %d/%d loss %.4f lr %.2e", stage, state.step, total, mean_loss, lr)
+        log.info("%s step %d/%d loss %.4f lr %.2e  %s", stage, state.step, total, mean_loss, lr, pace)
 
 
 def held_out(run: SFTRun) -> dict[str, float | None]:

@@ -4,11 +4,13 @@ stage's run, and the grpo checkpoint as registered model versions, tagged with t
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 import warnings
 from pathlib import Path
 
 from pipeline.core.config import CHECKPOINT_DIR, Config
+from pipeline.tracking.common import temporary_env
 from pipeline.tracking.mlflow_client import CHECKPOINT_TAG, client_for, tracking_uri
 from pipeline.tracking.mlflow_logger import MlflowLogger, WithLogger
 
@@ -73,7 +75,10 @@ def model_dir(checkpoint: Path, out: Path) -> Path:
     signature = ModelSignature(  # prompt strings in, a completion each out; the generation params it takes
         inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
         params=ParamSchema([ParamSpec(k, mlflow_type[type(v)], v) for k, v in POLICY_MODEL_PARAMS.items()]))
-    with warnings.catch_warnings():  # its advice to add type hints or an input example: the signature is given
+    # MLflow copies the checkpoint into the model behind a progress bar (a line per file once the output is
+    # not a terminal, e.g. in the Prefect UI): off unless the user turned it on
+    progress = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")}
+    with warnings.catch_warnings(), temporary_env(progress):  # its advice on type hints: the signature is given
         warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow\.")
         mlflow.pyfunc.save_model(str(out), python_model=str(POLICY_MODEL_CODE),
                                  artifacts={"checkpoint": str(checkpoint)}, signature=signature,

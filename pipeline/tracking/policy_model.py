@@ -26,6 +26,7 @@ from mlflow.pyfunc import PythonModel
 from pipeline.tracking.common import POLICY_MODEL_PARAMS as DEFAULTS
 
 
+
 def prompts_of(model_input: Any) -> list[str]:
     """The prompts of a pyfunc input: a string, a list of strings, or a DataFrame's ``prompt`` column
     (its only column if it has one); anything else is refused in one line."""
@@ -45,6 +46,13 @@ def prompts_of(model_input: Any) -> list[str]:
 
 class PolicyModel(PythonModel):
     """Completions from a pipeline checkpoint (either backend: the from-scratch GPT or an HF model)."""
+
+    # MLflow checks `predict`'s type hints when a subclass is defined, wherever this file runs (saving,
+    # loading), and without them prints advice in raw colour codes into every stage's log. The model's
+    # signature is given instead (`mlflow_models.model_dir`): a type hint would make MLflow convert and
+    # validate the input itself, and this model takes a string, a list of them or a DataFrame
+    # (`prompts_of`). The attribute is MLflow's own opt-out (its ChatModel subclasses set it).
+    _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
         from pipeline.train.checkpoint import load_policy
