@@ -38,7 +38,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from flows.experiment import exp_name, experiment_copy, push_experiment, save_experiment
+from flows.experiment import check_gsm8k_source, exp_name, experiment_copy, push_experiment, save_experiment
 from pipeline.core.cli import add_config_args, exit_status
 from pipeline.core.config import METRICS_DIR, PLOTS_DIR, Config
 from pipeline.core.config_loading import load_config
@@ -238,9 +238,13 @@ def execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence[
     (:func:`settle`)."""
     from prefect.states import Cancelled
 
+    from prefect.states import Failed
+
     reset_stop()
     try:
         return _execute(stages, params_path, overrides, parallel, share)
+    except InputError as exc:  # the user's to act on: the run ends Failed with that line, not a traceback
+        return Failed(message=str(exc), data=exc)
     except BaseException as exc:
         sig = interrupt_signal(exc)
         if sig is None:
@@ -422,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         if args.recipe:
             enter_recipe(args.recipe, args.overrides)
-        effective_overrides(args.params, args.overrides)
+        check_gsm8k_source(Path.cwd(), effective_overrides(args.params, args.overrides))
         check_free()  # one line before Prefect starts, not a failed flow run's traceback
         results, code = run_flow(lambda: grpo_pipeline(args.params, args.overrides, not args.sequential,
                                                        args.share, return_state=True),

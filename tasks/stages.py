@@ -42,7 +42,7 @@ from typing import Any
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled, Failed, State
 
 from pipeline.core.config import CHECKPOINT_DIR, STAGES
 from pipeline.core.errors import InputError
@@ -289,6 +289,10 @@ def _stage_task(name: str, retry, doc: str) -> Task:
         except StageInterrupted as exc:  # the task ends Cancelled: not a failure, not retried
             _logger().warning(str(exc))
             return Cancelled(message=str(exc))
+        except InputError as exc:  # the user's input: Failed with its one line, no traceback, never retried
+            if isinstance(exc, TrackingUnavailableError):
+                raise  # an outage may pass: raised, so the retry condition sees it
+            return Failed(message=str(exc), data=exc)
 
     run.__doc__ = doc
     run.__name__ = run.__qualname__ = name

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipeline.core.config import STAGES
 from tests.conftest import REPO, copy_repo, experiment, output_files, sh, smoke_outputs, task_runs_of, tracked_repo
@@ -200,7 +202,7 @@ def test_warmup_and_control_run_side_by_side_through_dvc(tmp_path, harness, monk
         assert t["grpo"]["start"] >= t["warmup"]["end"] and t["evaluate"]["start"] >= t["control"]["end"]
         lock = yaml.safe_load((repo / "dvc.lock").read_text())
         assert set(lock["stages"]) == set(STAGES)  # neither parallel stage's record was lost
-        assert "up to date" in sh(repo, "dvc", "status")
+        assert "up to date" in sh(repo, "dvc", "status", "dvc.yaml")
 
 
 def test_a_flow_from_scratch_runs_both_branches_and_tracks_them(tmp_path, harness, monkeypatch):
@@ -218,7 +220,7 @@ def test_a_flow_from_scratch_runs_both_branches_and_tracks_them(tmp_path, harnes
     assert state.is_completed(), state
     out = state.result()
     assert {s: out[s]["status"] for s in STAGES} == {s: "ran" for s in STAGES}
-    assert "up to date" in sh(repo, "dvc", "status")
+    assert "up to date" in sh(repo, "dvc", "status", "dvc.yaml")
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name("branches")
     all_runs = client.search_runs([exp.experiment_id])
@@ -245,6 +247,10 @@ def logs_of(flow_run_id, task_run_ids, timeout: float = 60.0):
             if all(per_task.values()) or time.monotonic() > deadline:
                 return per_task
             time.sleep(1)
+
+
+def yaml_of(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
 
 
 def by_stage(runs) -> dict:
@@ -281,7 +287,7 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     assert {s: out[s]["status"] for s in STAGES} == {"prepare": "skipped", "sft": "skipped", "warmup": "skipped",
                                                       "control": "skipped", "grpo": "ran", "evaluate": "ran"}
     assert {p: (repo / p).read_bytes() for p in before} == before  # the workspace as it was found
-    assert "up to date" in sh(repo, "dvc", "status")
+    assert "up to date" in sh(repo, "dvc", "status", "dvc.yaml")
     data = experiment(repo, out["experiment"])  # `dvc exp show` lists it, with its param and metrics
     assert data["params"]["params.yaml"]["data"]["grpo"]["iterations"] == 3
     assert "reward_final" in data["metrics"]["metrics/train.json"]["data"]["grpo"]
@@ -292,7 +298,12 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
         assert sorted(i.id for i in runs[name].task_inputs["upstream"]) == sorted(runs[u].id for u in ups), name
     logs = logs_of(flow_run_id, [runs[s].id for s in STAGES])
     assert all(logs[runs[s].id] for s in STAGES), logs
-    assert any(m.startswith("grpo 3/3") for m in logs[runs["grpo"].id]), logs[runs["grpo"].id]
+    # an iteration's line carries its time and the time left (no bar under DVC or Prefect)
+    assert any(re.match(r"grpo 3/3 .* [\d.]+ s/it, eta 0s$", m) for m in logs[runs["grpo"].id]), logs[runs["grpo"].id]
+    # logs worth reading: no progress-bar redraws (MLflow's copy of the checkpoint into its model), no raw
+    # colour codes (MLflow's type-hint advice), though grpo and evaluate logged and registered their models
+    flat = [m for lines in logs.values() for m in lines]
+    assert not [m for m in flat if "\x1b[" in m or re.search(r"\d+%\|", m) or "Downloading artifacts" in m], flat
     arts = {a.key: a for a in artifacts_of(flow_run_id)}
     assert {"grpo-sft", "grpo-warmup", "grpo-control", "grpo-grpo", "grpo-eval"} <= set(arts)
     assert "| loss |" in arts["grpo-control"].data  # the control's series is read like sft's
@@ -326,6 +337,27 @@ def test_flow_runs_dvc_stages_and_an_override_is_a_dvc_experiment(tmp_path, harn
     assert "warmup/reward" in mine.data.metrics and "control/loss" in mine.data.metrics
     versions = client.search_model_versions("name = 'grpo-policy'")
     assert versions and any(k.startswith("eval.") for v in versions for k in v.tags)
+
+    # a params file other than params.yaml is an experiment too (the run cache restores what it changes)
+    other = {**yaml_of(repo / "params.yaml")}
+    other["grpo"]["iterations"] = 3
+    (repo / "other.yaml").write_text(yaml.safe_dump(other))
+    state = grpo_pipeline(params_path="other.yaml", return_state=True)
+    assert state.is_completed(), state
+    again = state.result()
+    assert experiment(repo, again["experiment"])["params"]["params.yaml"]["data"]["grpo"]["iterations"] == 3
+    assert {s: again[s]["status"] for s in ("grpo", "evaluate")} == {"grpo": "restored", "evaluate": "restored"}
+    # git and DVC as they were: nothing tracked changed, no worktree left, `dvc status` clean
+    assert sh(repo, "git", "status", "--porcelain", "--untracked-files=no") == ""
+    assert len(sh(repo, "git", "worktree", "list").splitlines()) == 1 and "up to date" in sh(repo, "dvc", "status", "dvc.yaml")
+
+    # the readable view docs/orchestration.md gives shows the columns it names (DVC prefixes each with its file)
+    [command] = [ln for ln in (REPO / "docs" / "orchestration.md").read_text().splitlines()
+                 if ln.startswith("dvc exp show --md")]
+    header = sh(repo, *shlex.split(command)).splitlines()[0]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[0] == "Experiment" and len(columns) == 7, columns
+    assert {c.split(":")[0] for c in columns[1:]} == {"params.yaml", "metrics/train.json", "metrics/eval.json"}, columns
 
 
 # --------------------------------------------------------------------------- end to end (real smoke stages)

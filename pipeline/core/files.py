@@ -45,6 +45,19 @@ def sha256(path: str | Path) -> str:
 MAX_LINE_BYTES = 64 * 1024  # a prepared row is a few kB; longer lines are not rows this pipeline wrote
 
 
+def did_you_mean(path: str | Path, root: str | Path = ".") -> str:
+    """``; did you mean 'datasets/gsm8k'?`` when a missing path's folder (under `root`, for a relative
+    path) holds an entry whose name is close to the missing one's; else empty."""
+    import difflib
+
+    path = Path(path)
+    folder = Path(root) / path.parent
+    if not folder.is_dir():
+        return ""
+    match = difflib.get_close_matches(path.name, [p.name for p in folder.iterdir()], n=1, cutoff=0.6)
+    return f"; did you mean {str(path.parent / match[0])!r}?" if match else ""
+
+
 def text_lines(path: str | Path, max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, str]]:
     """(line number, text) of each line, read with a bounded buffer (memory stays small whatever the
     file holds); a line over `max_bytes`, or one that is not UTF-8, raises InputError naming it. A

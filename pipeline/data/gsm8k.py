@@ -40,7 +40,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from pipeline.core.errors import InputError
-from pipeline.core.files import json_problem, text_lines
+from pipeline.core.files import did_you_mean, json_problem, text_lines
 from pipeline.data.prompts import format_answer, format_prompt
 
 SPLITS = ("train", "test")
@@ -219,8 +219,10 @@ def local_split_files(source: Path, config: str) -> dict[str, list[Path]]:
 
 
 def _looks_local(source: str) -> bool:
-    """A hub id is `owner/name`; anything shaped like a path is reported as a missing path."""
-    return source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".parquet")) or source.count("/") > 1
+    """A hub id is `owner/name`; anything shaped like a path is reported as a missing path, and so is
+    an `owner/name` whose `owner` is a folder here (`datasets/gsmk8`: a typo, not a hub id)."""
+    return (source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".parquet")) or source.count("/") > 1
+            or ("/" in source and Path(source.split("/", 1)[0]).is_dir()))
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -266,5 +268,5 @@ def load_raw(source: str, config: str = "main") -> dict[str, list[RawRow]]:
                 for s in SPLITS}
     if _looks_local(source):
         raise InputError(f"data.gsm8k_source = {source!r}: no such file or folder "
-                         f"(relative paths are resolved from {Path.cwd()})")
+                         f"(relative paths are resolved from {Path.cwd()}){did_you_mean(path)}")
     return read_hub(source, config)

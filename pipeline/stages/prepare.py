@@ -151,6 +151,11 @@ def _tokenizer(cfg: Config, train_rows: list[dict[str, Any]]):
         except (OSError, ValueError) as exc:
             raise InputError(f"model.init = {cfg.model.init!r}: cannot load its tokenizer "
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    init = Path(cfg.model.init) if cfg.model.init else None  # a pipeline checkpoint holds both files
+    if init is not None and (init / "config.json").is_file() and not (init / "manifest.json").is_file():
+        raise InputError(f"model.init = {cfg.model.init!r} is a Hugging Face model folder (config.json, no "
+                         f"manifest.json), but model.backend = gpt starts from a pipeline checkpoint; set model.backend=hf to "
+                         f"train that model (its own tokenizer is then used, no BPE is trained)")
     # Prompt and response are separate texts, as they are tokenized separately (no merge across them).
     corpus = [t for r in train_rows for t in (r["prompt"], response_text(r["solution"]))]
     return train_tokenizer(corpus, cfg.data.vocab_size)

@@ -225,7 +225,9 @@ def init_policy(model_cfg: ModelConfig, tokenizer=None, device: str | torch.devi
     if model_cfg.init and is_checkpoint(model_cfg.init):
         return load_policy(model_cfg.init, device, run=model_cfg)
     if model_cfg.backend == "gpt" and model_cfg.init:
-        raise CheckpointError(f"{model_cfg.init}: model.init is not a checkpoint folder (no {MANIFEST})")
+        hint = ("; it is a Hugging Face model folder: set model.backend=hf to start from it"
+                if (Path(model_cfg.init) / CONFIG).is_file() else "")
+        raise CheckpointError(f"{model_cfg.init}: model.init is not a checkpoint folder (no {MANIFEST}){hint}")
     if model_cfg.backend == "hf" and model_cfg.init and (Path(model_cfg.init) / CONFIG).is_file():
         folder = Path(model_cfg.init)  # a local HF folder: its size is checked before it is built
         _check_weight_files(folder)
