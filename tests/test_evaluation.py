@@ -616,3 +616,21 @@ def test_a_question_too_long_for_the_context_is_counted_and_the_rest_scored(tmp_
     assert "gsm8k-long" in caplog.text and "1 of 4 rows" in caplog.text
     preds = pd.read_csv(tmp_path / "reports/predictions_sft_gsm8k.csv", keep_default_na=False)
     assert list(preds["id"]) == ["gsm8k-0", "gsm8k-1", "gsm8k-2"]
+
+
+def test_the_accuracy_plots_carry_a_bar_per_curriculum_level_when_it_was_scored():
+    """With `evaluate.per_level` (the default) plots/accuracy.csv and .png hold each level of the held-out
+    arithmetic after the tasks, in level order (level 10 after level 2), at the heights eval.json gives."""
+    metrics = {"sft": {"gsm8k_accuracy": 0.25, "arith_accuracy": 0.5, "arith_level2_accuracy": 0.4,
+                       "arith_level1_accuracy": 0.6, "arith_level10_accuracy": 0.1, "arith_level1_ci95_low": 0.3},
+               "warmup": {"gsm8k_accuracy": 0.375, "arith_accuracy": 0.75, "arith_level1_accuracy": 0.9,
+                          "arith_level2_accuracy": 0.6, "arith_level10_accuracy": 0.2}}
+    assert ev.plotted_tasks(metrics) == ("gsm8k", "arith", "arith_level1", "arith_level2", "arith_level10")
+    table = ev.accuracy_table(metrics)
+    assert [(r.stage, r.task, r.accuracy) for r in table.itertuples()][2:5] == [
+        ("sft", "arith_level1", 0.6), ("sft", "arith_level2", 0.4), ("sft", "arith_level10", 0.1)]
+    ax = ev.accuracy_figure(metrics).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(ev.plotted_tasks(metrics))
+    bars = {(stage, task): bar.get_height() for task, container in zip(ev.plotted_tasks(metrics), ax.containers)
+            for stage, bar in zip(("sft", "warmup"), container)}
+    assert bars == {(r.stage, r.task): r.accuracy for r in table.itertuples()} and len(bars) == 10

@@ -398,9 +398,9 @@ class EvalConfig:
     fewshot_examples: Annotated[Int, Field(ge=1, le=16)] = 4
     """Worked examples of a few-shot prompt: the first N rows of the task's training file (arithmetic or
     GSM8K train), as earlier user and assistant turns under the chat template, else as text."""
-    per_level: bool = False
+    per_level: bool = True
     """Also report held-out arithmetic accuracy per curriculum level (`arith_level<N>_accuracy`, with its
-    95% interval)."""
+    95% interval), in metrics/eval.json and as a bar per level in plots/accuracy.*."""
 
 
 @dataclass

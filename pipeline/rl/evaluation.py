@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -198,10 +199,20 @@ def round_metrics(metrics: Mapping[str, Mapping[str, float | int]], decimals: in
     }
 
 
+def plotted_tasks(metrics: Mapping[str, Mapping[str, float]], tasks: Sequence[str] = TASKS) -> tuple[str, ...]:
+    """`tasks`, then the held-out arithmetic of each curriculum level the metrics hold (``arith_level<n>``,
+    scored with ``evaluate.per_level``), in level order."""
+    levels = {int(m.group(1)) for values in metrics.values() for key in values
+              if (m := re.fullmatch(r"arith_level(\d+)_accuracy", key))}
+    return (*tasks, *(f"arith_level{n}" for n in sorted(levels)))
+
+
 def accuracy_table(metrics: Mapping[str, Mapping[str, float]], tasks: Sequence[str] = TASKS):
-    """Long-format DataFrame (stage, task, accuracy) for `dvc plots` and the bar chart."""
+    """Long-format DataFrame (stage, task, accuracy) for `dvc plots` and the bar chart: each task, then
+    the held-out arithmetic per level where it was scored (a panel each in `dvc plots`)."""
     import pandas as pd
 
+    tasks = plotted_tasks(metrics, tasks)
     rows = [{"stage": s, "task": t, "accuracy": m[f"{t}_accuracy"]}
             for s, m in metrics.items() for t in tasks if f"{t}_accuracy" in m]
     return pd.DataFrame(rows, columns=["stage", "task", "accuracy"])
@@ -234,9 +245,10 @@ def plot_accuracy(metrics: Mapping[str, Mapping[str, float]], path: str | Path,
 
 
 def accuracy_figure(metrics: Mapping[str, Mapping[str, float]], tasks: Sequence[str] = TASKS):
-    """Grouped bar chart: one group per stage, one bar per task."""
+    """Grouped bar chart: one group per stage, one bar per task (and per arithmetic level, where scored)."""
     stages = list(metrics)
-    fig, axes = _figure(6.0, 4.0)
+    tasks = plotted_tasks(metrics, tasks)
+    fig, axes = _figure(6.0 if len(tasks) <= 2 else 8.0, 4.0)
     ax = axes[0][0]
     width = 0.8 / max(len(tasks), 1)
     for j, task in enumerate(tasks):
