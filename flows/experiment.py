@@ -91,6 +91,10 @@ def _share_cache(root: Path, dst: Path) -> None:
     if local.is_file():  # the user's local remotes and settings
         shutil.copy2(local, dst / ".dvc" / "config.local")
     _run(_dvc("cache", "dir", "--local", cache), dst)
+    # DVC stages what it changes (dvc.lock, .gitignore) in this throwaway worktree, where `dvc exp save`
+    # commits it, instead of printing "To track the changes with git, run: git add ..." after every stage:
+    # advice that, followed in a copy about to be deleted, would be wrong
+    _run(_dvc("config", "--local", "core.autostage", "true"), dst)
 
 
 def copy_key(root: Path, overrides: list[str]) -> str:

@@ -309,6 +309,29 @@ def grpo_pipeline(params_path: str = "params.yaml", overrides: list[str] | None 
     return execute(None, params_path, overrides, parallel, share)
 
 
+def where_to_look(cfg: Config, experiment: str | None = None) -> str:
+    """What a finished run prints last: the commands that open its runs in MLflow's and Prefect's UIs
+    (both on 127.0.0.1), and DVC's view of it."""
+    from prefect.settings import PREFECT_API_URL
+
+    from pipeline.tracking.common import resolve_uri
+
+    uri = resolve_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri)
+    if not cfg.tracking.enabled:
+        mlflow = "tracking is off (tracking.enabled: false): nothing was logged to MLflow"
+    elif uri.startswith("sqlite:///"):
+        mlflow = (f"mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000  "
+                  f"# http://127.0.0.1:5000, experiment {cfg.tracking.experiment!r}")
+    else:
+        mlflow = f"{uri}  # experiment {cfg.tracking.experiment!r}"
+    api = PREFECT_API_URL.value()
+    prefect = (f"{api.removesuffix('/api')}  # this run's server" if api else
+               "prefect server start --host 127.0.0.1  # http://127.0.0.1:4200: the local database this run used")
+    dvc = (f"dvc exp show --drop 'recipes/'  # experiment {experiment}" if experiment
+           else "dvc metrics show  # and plots/accuracy.png, plots/training_curves.png")
+    return "\n".join(["where to look:", f"  MLflow   {mlflow}", f"  Prefect  {prefect}", f"  DVC      {dvc}"])
+
+
 def headline(work: Path) -> str:
     """A short table of the headline numbers (metrics/train.json and metrics/eval.json)."""
     from pipeline.core.summary import headline_table
@@ -426,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         if args.recipe:
             enter_recipe(args.recipe, args.overrides)
-        check_gsm8k_source(Path.cwd(), effective_overrides(args.params, args.overrides))
+        overrides = effective_overrides(args.params, args.overrides)
+        check_gsm8k_source(Path.cwd(), overrides)
         check_free()  # one line before Prefect starts, not a failed flow run's traceback
         results, code = run_flow(lambda: grpo_pipeline(args.params, args.overrides, not args.sequential,
                                                        args.share, return_state=True),
@@ -438,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if results.get("shared"):
             print(f"pushed to {results['shared']}: dvc exp pull {results['shared']} {results['experiment']}")
         print(results.get("headline", ""))
+        print(where_to_look(load_config("params.yaml", overrides), results.get("experiment")))
         return 0
 
     return exit_status(run)

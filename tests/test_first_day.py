@@ -120,3 +120,21 @@ def test_a_stages_bad_input_through_the_flow_ends_in_one_line_and_no_traceback(t
     listed = json.loads(subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo,
                                        capture_output=True, text=True, check=True).stdout)
     assert not [e for row in listed for e in row.get("experiments") or []]
+
+
+def test_a_finished_run_ends_with_where_to_look(tmp_path, monkeypatch):
+    """The commands that open the run in MLflow's and Prefect's UIs, on 127.0.0.1, with the database the
+    run logged to (the repository's, also for an experiment run in a copy), and DVC's view of it."""
+    from flows.grpo_pipeline import where_to_look
+    from pipeline.core.config_loading import load_config
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    cfg = load_config(REPO / "configs" / "smoke.yaml", ["tracking.enabled=true", "tracking.experiment=mine"])
+    text = where_to_look(cfg, "nightly-7")
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db --host 127.0.0.1 --port 5000" in text
+    assert "experiment 'mine'" in text and "prefect server start --host 127.0.0.1" in text
+    assert "dvc exp show --drop 'recipes/'  # experiment nightly-7" in text
+    off = where_to_look(load_config(REPO / "configs" / "smoke.yaml"))
+    assert "tracking is off (tracking.enabled: false)" in off and "mlflow ui" not in off
