@@ -73,7 +73,7 @@ def test_second_concurrent_stage_exits_2_with_one_line_naming_the_first(tmp_path
                              cwd=repo, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while not (repo / ".pipeline.core.lock").exists():
+        while not (repo / ".pipeline.lock").exists():
             assert first.poll() is None and time.monotonic() < deadline, "the first run never took the lock"
             time.sleep(0.2)
         second = cli(repo, "pipeline", "prepare")

@@ -65,18 +65,17 @@ def ran(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def copy_with_recipes(dst: Path) -> Path:
-    """copy_repo's copy (tests/conftest.py) with recipes/ too (their own files, none of their outputs),
-    as a fresh git repo of one commit."""
+    """copy_repo's copy (tests/conftest.py: recipes/ as a clone has them) without the recipes' committed
+    results (their dvc.lock, metrics, plots, reports), which belong to the real model, not the stand-in
+    run here; as a fresh git repo of one commit."""
     copy_repo(dst, git=False)
-    listed = set()
-    for args in (["-c"], ["-o", "--exclude-standard"]):
-        listed |= set(subprocess.run(["git", "ls-files", *args, "--", "recipes"], cwd=REPO, capture_output=True,
-                                     text=True, check=True).stdout.split())
-    for rel in sorted(listed):
-        inner = "/".join(Path(rel).parts[2:])  # the path inside recipes/<name>/
-        if (REPO / rel).is_file() and not inner.startswith(("model/", ".model.", *PIPELINE_OUTPUTS)):
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, dst / rel)
+    for recipe in (dst / "recipes").iterdir():
+        for rel in PIPELINE_OUTPUTS:
+            target = recipe / rel.rstrip("/")
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.is_file():
+                target.unlink()
     for cmd in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         run(dst, *cmd)
     return dst

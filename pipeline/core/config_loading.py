@@ -147,7 +147,7 @@ def has_gpu() -> bool:
 
 
 def _gpt_params(cfg: Config) -> int:
-    """Parameters of the pipeline's GPT of this shape (`checkpoint_manifest.gpt_param_count`, a module
+    """Parameters of the pipeline's GPT of this shape (`pipeline.train.manifest.gpt_param_count`, a module
     above this one): tied embedding, attention 4 h^2 and SwiGLU 12 h^2 a layer."""
     m, h = cfg.model, cfg.model.n_embd
     learned = m.block_size * h if m.positions == "learned" else 0
@@ -156,7 +156,7 @@ def _gpt_params(cfg: Config) -> int:
 
 def _train_state(weights: int, size: int, kl: bool) -> int:
     """Bytes of the weights, their gradients and the reference (with a KL term), in the weights' dtype,
-    and the two AdamW moments, always fp32; bf16 weights add their fp32 masters (`training.MasterAdamW`):
+    and the two AdamW moments, always fp32; bf16 weights add their fp32 masters (`pipeline.train.optim.MasterAdamW`):
     20 bytes a parameter in fp32, 18 in bf16 (with the reference)."""
     params = weights // size
     return params * (size * (3 if kl else 2) + 8 + (4 if size == 2 else 0))

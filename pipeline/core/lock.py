@@ -1,4 +1,4 @@
-"""One pipeline run per workspace: an OS lock (``fcntl.flock``) on ``.pipeline.core.lock``.
+"""One pipeline run per workspace: an OS lock (``fcntl.flock``) on ``.pipeline.lock``.
 
 Every stage function takes it (``pipeline.stages.stage_function``), so a stage started by the CLI,
 by ``dvc repro`` or by a Prefect task cannot run beside another stage in the same folder: the
@@ -37,7 +37,7 @@ from typing import Any
 
 from pipeline.core.errors import InputError
 
-LOCK_FILE = ".pipeline.core.lock"
+LOCK_FILE = ".pipeline.lock"
 TOKEN_ENV = "GRPO_LOCK_TOKEN"
 
 
