@@ -34,7 +34,8 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 # headline numbers. GSM8K is read from the clone (datasets/gsm8k), so the run needs no hub and, on the
 # committed params, compares with the dvc.lock and metrics/ committed. With GSM8K=PATH another copy is a DVC-tracked
 # override (data.gsm8k_source), so the run is a DVC experiment: tracked files stay as they are (`dvc
-# exp show` lists it, `dvc exp apply NAME` takes it into the workspace), and the hub is never contacted.
+# exp show` lists it; `dvc exp branch NAME B && git checkout B && dvc checkout dvc.yaml` takes it into the
+# workspace), and the hub is never contacted.
 run: setup
 	$(if $(strip $(GSM8K)),HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1) \
 	  PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m flows.grpo_pipeline \

@@ -14,7 +14,8 @@ made and leaves nothing behind: ``dvc exp push <share> <name>`` sends the experi
 ``dvc.lock``, metrics and plots as a git ref) to the source's git remote and its outputs (data,
 checkpoints) to the repository's default DVC remote, and the MLflow runs go to the tracking server
 the workers name (``MLFLOW_TRACKING_URI`` in their environment, or ``tracking.uri``). Any machine
-then has a run's results with ``dvc exp pull origin <name>`` and ``dvc exp apply <name>``.
+then has a run's results with ``dvc exp pull origin <name>``, ``dvc exp branch <name> <branch>``,
+``git checkout <branch>`` and ``dvc pull dvc.yaml``.
 
 The runs of a pool are independent (each in its own clone), so a sweep's runs go side by side, as
 many per machine as its worker's ``--limit``. Docker and Kubernetes pools take the same deployment

@@ -458,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             return code
         if results.get("experiment"):
-            print(f"experiment {results['experiment']} saved: dvc exp show; dvc exp apply {results['experiment']}")
+            name = results["experiment"]  # `dvc exp apply` checks out the recipe's outputs too, which a clone lacks
+            print(f"experiment {name} saved: dvc exp show --drop 'recipes/'; to take it into the workspace: "
+                  f"dvc exp branch {name} exp-{name} && git checkout exp-{name} && dvc checkout dvc.yaml")
         if results.get("shared"):
             print(f"pushed to {results['shared']}: dvc exp pull {results['shared']} {results['experiment']}")
         print(results.get("headline", ""))

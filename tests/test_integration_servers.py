@@ -204,12 +204,15 @@ def test_a_work_pool_runs_two_sweeps_side_by_side_and_shares_them(tmp_path, pref
     sh(tmp_path, "git", "clone", "-q", str(origin), str(fresh))
     for k, name in names.items():  # any machine gets a run's params, metrics and checkpoints back
         sh(fresh, "dvc", "exp", "pull", "origin", name)
-        sh(fresh, "dvc", "exp", "apply", name)
+        # as the flow prints it: `dvc exp apply` would check out the recipe's outputs too, which no run made
+        sh(fresh, "dvc", "exp", "branch", name, f"exp-{name}")
+        sh(fresh, "git", "checkout", "-q", f"exp-{name}")
+        sh(fresh, "dvc", "pull", "dvc.yaml")
         assert yaml_value(fresh / "params.yaml", "grpo", "kl_coef") == float(sweeps[k].split("=")[1])
         assert "grpo" in json.loads((fresh / "metrics" / "train.json").read_text())
         sh(fresh, "dvc", "checkout", "checkpoints/grpo")
         assert (fresh / "checkpoints" / "grpo" / "model.safetensors").stat().st_size > 0
-        sh(fresh, "git", "checkout", "-q", ".")
+        sh(fresh, "git", "checkout", "-q", "main")
     client = MlflowClient(mlflow_server)
     [exp] = [e for e in client.search_experiments() if e.name == "pool"]
     parents = client.search_runs([exp.experiment_id], "tags.`grpo.experiment` != ''")
