@@ -236,9 +236,7 @@ def execute(stages: Sequence[str] | None, params_path: str, overrides: Sequence[
     is pushed to as a DVC experiment (a work pool's runs, flows/deploy.py), overridden or not. A signal
     ends the run Cancelled (a State the flow returns), not Crashed: the stages are stopped by then
     (:func:`settle`)."""
-    from prefect.states import Cancelled
-
-    from prefect.states import Failed
+    from prefect.states import Cancelled, Failed
 
     reset_stop()
     try:
@@ -314,9 +312,9 @@ def where_to_look(cfg: Config, experiment: str | None = None) -> str:
     (both on 127.0.0.1), and DVC's view of it."""
     from prefect.settings import PREFECT_API_URL
 
-    from pipeline.tracking.common import resolve_uri
+    from pipeline.tracking.mlflow_client import tracking_uri
 
-    uri = resolve_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri)
+    uri = tracking_uri(cfg) if cfg.tracking.enabled else ""
     if not cfg.tracking.enabled:
         mlflow = "tracking is off (tracking.enabled: false): nothing was logged to MLflow"
     elif uri.startswith("sqlite:///"):

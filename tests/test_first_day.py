@@ -63,7 +63,8 @@ def test_a_mistyped_local_path_is_a_missing_folder_with_the_close_name_not_a_hub
 
     (tmp_path / "datasets" / "gsm8k").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(InputError, match=r"'datasets/gsmk8': no such file or folder .*did you mean 'datasets/gsm8k'\?$"):
+    typo = r"'datasets/gsmk8': no such file or folder .*did you mean 'datasets/gsm8k'\?$"
+    with pytest.raises(InputError, match=typo):
         gs.load_raw("datasets/gsmk8")
     with pytest.raises(InputError, match=r"'datasets/other': no such file or folder \(relative paths .*\)$"):
         gs.load_raw("datasets/other")  # nothing close: no guess

@@ -26,7 +26,6 @@ from mlflow.pyfunc import PythonModel
 from pipeline.tracking.common import POLICY_MODEL_PARAMS as DEFAULTS
 
 
-
 def prompts_of(model_input: Any) -> list[str]:
     """The prompts of a pyfunc input: a string, a list of strings, or a DataFrame's ``prompt`` column
     (its only column if it has one); anything else is refused in one line."""
