@@ -85,9 +85,9 @@ def iteration_flops(N: int, H: int, L: int, C: int, B: int, rows: int, Tp: int, 
 
 
 def _twin_with(cfg, stage: str, name: str, value):
-    """One iteration of a second set-up (same seeds) with `pipeline.stages.grpo`'s `name` replaced by
+    """One iteration of a second set-up (same seeds) with `pipeline.rl.update`'s `name` replaced by
     `value` for its iterations only (the lever that name switches, turned off)."""
-    import pipeline.stages.grpo as grpo_mod
+    import pipeline.rl.update as grpo_mod
 
     twin = GRPOIterations(cfg, stage)
 
@@ -173,6 +173,7 @@ def main() -> None:
 
     import pipeline.stages.grpo as grpo_mod
     from pipeline.core.config_loading import load_config
+    from pipeline.rl.update import reuses_sampled_logprobs
 
     from pipeline.model.policy import resolve_device
 
@@ -253,7 +254,7 @@ def main() -> None:
     B, rows, Tp = g.prompts_per_iter, ro.input_ids.shape[0], ro.prompt_len
     steps = ro.input_ids.shape[1] - Tp
     single = g.grpo_epochs == 1 and g.minibatch_groups in (0, g.prompts_per_iter)
-    old_pass = not single and not grpo_mod.reuses_sampled_logprobs(policy)  # else the rollout's own log-probs
+    old_pass = not single and not reuses_sampled_logprobs(policy)  # else the rollout's own log-probs
     shared = policy._shares_prompt(ro.input_ids, ro.attention_mask, Tp, g.group_size)
     flops = iteration_flops(N, H, L, C, B, rows, Tp, steps, ref=g.kl_coef > 0, old=old_pass, shared=shared)
     # the median iteration (the lower of the middle two for an even count: a real iteration, whose

@@ -20,7 +20,8 @@ from pipeline.core import distributed as du
 from pipeline.core.config import GRPOConfig, ModelConfig
 from pipeline.data.tokenizer import train_tokenizer
 from pipeline.model.policy import build_policy
-from pipeline.stages.grpo import Batch, TrainState, update
+from pipeline.rl.update import Batch, update
+from pipeline.train.optim import step_if_finite
 from pipeline.train import fsdp
 from pipeline.train.optim import build_optimizer
 
@@ -54,7 +55,8 @@ def main(out: str, minibatch_groups: int = 0, parallel: str = "ddp", hf_folder: 
     optimizer = build_optimizer(policy.module, g.lr, 0.0)
     rows = torch.arange(N).view(-1, g.group_size)[rank::world].reshape(-1)  # this rank's groups, in turn
     batch = Batch(ids[rows], attn[rows], resp[rows], adv[rows], None, ref_lp[rows])
-    stats = update(policy, optimizer, g, batch, TrainState(total_iters=1), "ddp-check")
+    stats = update(policy, optimizer, g, batch,
+                   lambda loss: step_if_finite(optimizer, policy.module.parameters(), g.grad_clip, loss))
     stats = du.mean_across_ranks(stats)
     if sharded is not None:  # what the rollouts and checkpoints read: the sampler, refreshed from the shards
         sharded.stepped()

@@ -14,7 +14,7 @@ import torch
 from pipeline.core.config import GRPOConfig
 from pipeline.rl.loss import group_advantages
 from pipeline.rl.rollout import rollout_prompts
-from pipeline.stages.grpo import Batch, accumulate_gradients, micro_batches, micro_logprobs, own_width
+from pipeline.rl.update import Batch, accumulate_gradients, micro_batches, micro_logprobs, own_width
 from tests.conftest import tiny_model_config
 
 PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: What is 12 - 5?\nAnswer:", "Question: 7 + 1?\nAnswer:"]

@@ -58,11 +58,12 @@ def _setup(*overrides):
 
 
 def _old(run):
-    from pipeline.stages.grpo import old_and_ref_logprobs
+    from pipeline.rl.update import old_and_ref_logprobs
 
     ro = rollout_prompts(run.policy, [r["prompt"] for r in run.train_rows[:4]], run.conf.group_size, 8,
                          generator=torch.Generator().manual_seed(2))
-    old, ref = old_and_ref_logprobs(run, ro.input_ids, ro.attention_mask, ro.prompt_len, ro.logprobs)
+    old, ref = old_and_ref_logprobs(run.policy, run.ref, run.conf, ro.input_ids, ro.attention_mask, ro.prompt_len,
+                                    ro.logprobs)
     assert ref is not None
     return ro, old
 

@@ -85,28 +85,28 @@ def test_the_figures_are_over_every_group_rolled_out_and_summed_over_ranks(monke
     all shown, its sums added as the collective would."""
     from types import SimpleNamespace
 
-    import pipeline.stages.grpo as grpo_stage
+    import pipeline.rl.metrics as rl_metrics
 
     groups = SimpleNamespace(sampled=torch.tensor([[1.2, 0.0], [1.0, 1.0], [0.2, 0.0]]),
                              sampled_shown=torch.tensor([[True, True], [False, False], [False, False]]),
                              sampled_formed=torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]))
-    got = grpo_stage.scaffold_metrics(groups)
+    got = rl_metrics.scaffold_metrics(groups)
     assert got == pytest.approx({"fewshot_share": 1 / 3, "reward_bare": (1.0 + 1.0 + 0.2 + 0.0) / 4,
                                  "well_formed_bare": 1 / 4, "reward_shown": 0.6, "well_formed_shown": 0.5})
     other_rank = [0.0, 0.0, 0.0, 4.0, 4.4, 4.0]  # bare completions, rewards, tags; shown ones, rewards, tags
-    monkeypatch.setattr(grpo_stage.dist_utils, "sum_across_ranks",
+    monkeypatch.setattr(rl_metrics.dist_utils, "sum_across_ranks",
                         lambda values: [a + b for a, b in zip(values, other_rank)])
-    got = grpo_stage.scaffold_metrics(groups)
+    got = rl_metrics.scaffold_metrics(groups)
     assert got == pytest.approx({"fewshot_share": 3 / 5, "reward_bare": 2.2 / 4, "well_formed_bare": 1 / 4,
                                  "reward_shown": (1.2 + 4.4) / 6, "well_formed_shown": 5 / 6})
     alone = SimpleNamespace(sampled=groups.sampled[1:], sampled_shown=groups.sampled_shown[1:],
                             sampled_formed=groups.sampled_formed[1:])
     monkeypatch.undo()
-    assert grpo_stage.scaffold_metrics(alone)["reward_shown"] is None
+    assert rl_metrics.scaffold_metrics(alone)["reward_shown"] is None
     # guide mode: part of a group shown
     mixed = SimpleNamespace(sampled=torch.tensor([[1.2, 1.2, 1.0, 0.0]]), sampled_shown=torch.tensor([[True, False, False, False]]),
                             sampled_formed=torch.tensor([[1.0, 1.0, 0.0, 0.0]]))
-    assert grpo_stage.scaffold_metrics(mixed) == pytest.approx({
+    assert rl_metrics.scaffold_metrics(mixed) == pytest.approx({
         "fewshot_share": 0.25, "reward_bare": 2.2 / 3, "well_formed_bare": 1 / 3, "reward_shown": 1.2,
         "well_formed_shown": 1.0})
 
@@ -245,9 +245,9 @@ def test_guide_mode_trains_every_completion_as_the_bare_prompts_answer(workdir, 
         trained.append(batch.input_ids[:, : batch.start].clone())
         return real_update(policy, optimizer, conf, batch, *a, **k)
 
-    def old_and_ref(run, ids, attn, start, sampled=None):
+    def old_and_ref(policy, ref, conf, ids, attn, start, sampled=None, *a):
         sampled_arg.append(sampled)
-        return real_old(run, ids, attn, start, sampled)
+        return real_old(policy, ref, conf, ids, attn, start, sampled, *a)
 
     monkeypatch.setattr(grpo_stage, "update", update)
     monkeypatch.setattr(grpo_stage, "old_and_ref_logprobs", old_and_ref)
@@ -320,7 +320,7 @@ def test_examples_that_leave_no_room_for_the_rollout(workdir, caplog):
     run = grpo_stage.setup(cfg, "warmup")
     rows = run.train_rows
     with caplog.at_level("WARNING", logger="pipeline"):
-        shown = [run.scaffold.prompt_for(i, r) for i, r in enumerate(rows[:200])]
+        shown = [run.prompts.scaffold.prompt_for(i, r) for i, r in enumerate(rows[:200])]
     assert caplog.text.count("some prompts leave no room") == 1
     assert any(p is None for p in shown[2:]) and all(p is None or len(tok.encode(p)) == lengths[0] for p in shown)
     from pipeline.data.prompts import fewshot_prompt

@@ -98,10 +98,11 @@ def test_minibatches_hold_whole_groups(workdir, monkeypatch):
     """Each minibatch (one group here) gets exactly one group's advantages, and each epoch covers
     every group once. The parity verifier gives a random policy rewards with variance, so the
     groups' advantages differ and are not all 0."""
+    from pipeline.rl import update
     from pipeline.stages import grpo
 
     seen, computed = [], []
-    real_loss, real_adv = grpo.grpo_loss, grpo.group_advantages
+    real_loss, real_adv = update.grpo_loss, grpo.group_advantages
 
     def spy(new, old, ref, adv, mask, **kw):
         seen.append(adv.detach().clone())
@@ -111,7 +112,7 @@ def test_minibatches_hold_whole_groups(workdir, monkeypatch):
         computed.append(real_adv(rewards, group_size, **kw))
         return computed[-1]
 
-    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    monkeypatch.setattr(update, "grpo_loss", spy)
     monkeypatch.setattr(grpo, "group_advantages", spy_adv)
     cfg = smoke_cfg("warmup.iterations=1", "warmup.prompts_per_iter=4", "warmup.minibatch_groups=1",
                     "warmup.grpo_epochs=2")
@@ -149,9 +150,9 @@ def test_all_wrong_groups_give_zero_policy_gradient(workdir, monkeypatch):
 
 def test_forced_nan_is_skipped_and_counted_then_stops(workdir, monkeypatch):
     from pipeline.core.errors import TrainingDivergedError
-    from pipeline.stages import grpo
+    from pipeline.rl import update
 
-    real = grpo.grpo_loss
+    real = update.grpo_loss
     calls = {"n": 0}
 
     def nan_first(*a, **k):
@@ -159,13 +160,13 @@ def test_forced_nan_is_skipped_and_counted_then_stops(workdir, monkeypatch):
         loss, st = real(*a, **k)
         return (loss * float("nan") if calls["n"] == 1 else loss), st
 
-    monkeypatch.setattr(grpo, "grpo_loss", nan_first)
+    monkeypatch.setattr(update, "grpo_loss", nan_first)
     summary = run_warmup(smoke_cfg("warmup.iterations=3"))
     assert summary["skipped_steps"] == 1
     rows = (workdir / "plots" / "warmup.csv").read_text().splitlines()
     assert rows[-1].split(",")[rows[0].split(",").index("skipped_steps")] == "1"
 
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), {}))
+    monkeypatch.setattr(update, "grpo_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), {}))
     with pytest.raises(TrainingDivergedError, match="consecutive non-finite"):
         run_warmup(smoke_cfg("warmup.iterations=5", "warmup.max_nonfinite=2", "warmup.seed=1"))
 

@@ -51,20 +51,21 @@ def test_the_full_width_twin_is_timed_beside_the_iteration_and_the_lever_restore
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import grpo_iteration
 
+    import pipeline.rl.update as rl_update
     import pipeline.stages.grpo as grpo_stage
 
     widths = {"own": 0, "full": 0}
-    real = grpo_stage.own_width
+    real = rl_update.own_width
 
     def counting(mask):
         widths["own"] += 1
         return real(mask)
 
-    monkeypatch.setattr(grpo_stage, "own_width", counting)
+    monkeypatch.setattr(rl_update, "own_width", counting)
     token_logprobs = grpo_stage.Policy.token_logprobs
 
     def spy(self, input_ids, *a, **k):  # the twin's passes: every micro-batch at the rollout's full width
-        if grpo_stage.own_width is not counting:
+        if rl_update.own_width is not counting:
             widths["full"] += 1
         return token_logprobs(self, input_ids, *a, **k)
 
@@ -78,7 +79,7 @@ def test_the_full_width_twin_is_timed_beside_the_iteration_and_the_lever_restore
         grpo_iteration.main()
     finally:
         torch.set_num_threads(threads)
-    assert grpo_stage.own_width is counting  # restored after the twin's iterations
+    assert rl_update.own_width is counting  # restored after the twin's iterations
     assert widths["own"] > 0 and widths["full"] > 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])

@@ -16,6 +16,9 @@
   is kept with its curriculum level's chance (its estimated informative-group rate over the best
   level's), so the rollouts go where the verifier's signal is; the skipped rows are passed over in the
   same seeded order, so the cursor alone still says where the stream stands.
+- ``PromptSource``: both behind one object the loop asks (``draw`` before sampling, ``observe``
+  after); ``worked_examples`` builds a stage's scaffold; ``adapt_curriculum`` lengthens or ends the
+  warmup by its reward, accuracy and informative fraction.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from typing import Any
 import torch
 
 from pipeline.core import distributed as dist_utils
-from pipeline.core.config import GRPOConfig
+from pipeline.core.config import DataConfig, GRPOConfig, WarmupConfig
 from pipeline.core.errors import InputError
+from pipeline.data.prompts import fewshot_prompt
+from pipeline.data.schema import read_rows
 from pipeline.model.policy import Policy
 from pipeline.rewards.verifiers import has_well_formed_answer
 from pipeline.rl.loss import informative_groups
@@ -368,3 +373,89 @@ def count_levels(counts: dict[str, list[float]], levels: list[int], sampled_idx:
     summed = dist_utils.sum_across_ranks([x for name in names for x in local[name]])
     return {name: [LEVEL_DECAY * counts[name][0] + summed[2 * j], LEVEL_DECAY * counts[name][1] + summed[2 * j + 1]]
             for j, name in enumerate(names)}
+
+
+@dataclass
+class PromptSource:
+    """Which prompts an iteration draws and how they are asked: the curriculum's levels, weighted by how
+    informative each has been (``warmup.level_sampling: informative``; None: uniform), and the
+    worked-examples scaffold (``<stage>.fewshot_examples``; None: bare prompts). What it learns lives
+    in the stage's resumable state (``level_counts``), so a resumed run draws as an unbroken one."""
+
+    levels: list[int] | None = None  # each training row's curriculum level
+    scaffold: Scaffold | None = None
+    floor: float = 0.0  # the least chance a level's prompt is kept
+
+    def draw(self, state: Any) -> tuple[list[float] | None, dict[str, float], Scaffold | None]:
+        """(each row's chance of being kept when drawn, that chance per level, the scaffold at this
+        iteration) for `state` (with ``level_counts`` and ``iteration``)."""
+        if self.levels is None:
+            return None, {}, self.scaffold.at(state.iteration) if self.scaffold else None
+        state.level_counts = state.level_counts or {str(v): [0.0, 0.0] for v in sorted(set(self.levels))}
+        keep, chance = level_keep(state.level_counts, self.levels, self.floor)
+        return keep, chance, self.scaffold.at(state.iteration) if self.scaffold else None
+
+    def observe(self, state: Any, groups: Groups, chance: dict[str, float]) -> dict[str, float]:
+        """Count this iteration's groups into `state.level_counts`; the tracker's view of level sampling:
+        each level's chance this iteration drew with, and its informative rate after these groups."""
+        if self.levels is None:
+            return {}
+        state.level_counts = count_levels(state.level_counts, self.levels, groups.sampled_idx, groups.sampled)
+        return {**{f"level_keep/{v}": c for v, c in chance.items()},
+                **{f"level_informative/{v}": r for v, r in level_rates(state.level_counts).items()}}
+
+
+def worked_examples(policy: Policy, path: Path, data: DataConfig, conf: GRPOConfig, stage: str) -> Scaffold:
+    """`<stage>.fewshot_examples`: the first N rows of the training file `path` as worked examples (where
+    evaluate's few-shot entries take theirs from) and the prompt of a question after them. A prompt that
+    leaves no room for the rollout in the model's context stays bare (logged once); an InputError where
+    the examples alone leave none."""
+    shots = [(r["question"], r["solution"]) for r in read_rows(path, conf.fewshot_examples)]
+    limit = policy.max_len
+    budget = None if limit is None else limit - conf.rollout_len
+    told = False
+
+    def prompt(question: str) -> str | None:
+        nonlocal told
+        text = fewshot_prompt(question, shots, policy.tokenizer, data)
+        if budget is None or len(policy.tokenizer.encode(text)) <= budget:
+            return text
+        if not told:
+            log.warning("%s: with %s.fewshot_examples = %d worked examples some prompts leave no room for "
+                        "%s.rollout_len = %d tokens in the %d-token context; those stay bare", stage, stage,
+                        conf.fewshot_examples, stage, conf.rollout_len, limit)
+            told = True
+        return None
+
+    alone = len(policy.tokenizer.encode(fewshot_prompt("", shots, policy.tokenizer, data)))
+    if budget is not None and alone > budget:
+        raise InputError(f"{stage}.fewshot_examples = {conf.fewshot_examples}: the worked examples of {path} alone "
+                         f"take {alone} tokens, more than the {budget} a prompt may have with {stage}.rollout_len = "
+                         f"{conf.rollout_len} in model.block_size = {limit}; allowed: fewer examples, a shorter "
+                         f"rollout or a longer context")
+    return Scaffold(prompt, frozenset(q for q, _ in shots), conf.fewshot_fade, conf.seed, conf.fewshot_mode)
+
+
+def adapt_curriculum(conf: GRPOConfig, state: Any, metrics: dict[str, Any]) -> None:
+    """Adaptive curriculum (warmup only): leave early, or stay longer while groups are uninformative.
+    Moves `state.total_iters` (the stage's resumable state; `iteration` done) and logs the decision in
+    `state.adaptive_log`."""
+    if not isinstance(conf, WarmupConfig) or not conf.adaptive:
+        return
+    acc, it = metrics.get("accuracy"), state.iteration
+    decision = None
+    # not while worked examples are shown: their groups' reward is not the bare prompt's
+    if (acc is not None and metrics["reward"] >= conf.exit_reward and acc >= conf.exit_accuracy
+            and not metrics.get("fewshot_share")):
+        if it < state.total_iters:
+            decision = (f"iteration {it}: reward {metrics['reward']:.3f} and accuracy {acc:.3f} "
+                        f"passed the thresholds; leaving the warmup early")
+            state.total_iters = it
+    elif (it == state.total_iters and metrics["informative"] < conf.min_informative
+          and state.total_iters < conf.iterations + conf.max_extra_iters):
+        state.total_iters += 1
+        decision = (f"iteration {it}: informative {metrics['informative']:.2f} < {conf.min_informative}; "
+                    f"extending the warmup by one iteration")
+    if decision:
+        state.adaptive_log.append(decision)
+        log.info("warmup: %s", decision)

@@ -170,7 +170,7 @@ def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, 
     rest = torch.minimum(rest, last.nextafter(torch.zeros_like(last)))
     col = torch.searchsorted(inner_cdf, rest, right=True).clamp_(max=_CDF_BLOCK - 1)
     # non-finite weights (logits that overflowed) would land in the padding: keep the index valid,
-    # its log-prob is then nan and the caller refuses the rollout (pipeline.stages.grpo)
+    # its log-prob is then nan and the caller refuses the rollout (pipeline.stages.grpo.check_finite)
     return (blk * _CDF_BLOCK + col).squeeze(-1).clamp_(max=V - 1)
 
 

@@ -21,12 +21,16 @@ and one block's weights gathered at a time in the passes.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipeline.core import distributed as dist_utils
 from pipeline.model.policy import Policy
+
+log = logging.getLogger(__name__)
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:
@@ -119,3 +123,23 @@ class Sharded:
         """The sampler's weights (a resume state's, read on every rank) into the shards: both hold them."""
         load_full_state(self.policy.module, self.sampler.module.state_dict())
         self.fresh = True
+
+
+def parallelize(policy: Policy, ref: Any, parallel: str, compile_model: bool, world: int, stage: str) -> Sharded | None:
+    """Spread `policy` over the `world` processes of torchrun, before its optimizer is built (which then
+    holds the shards): ``parallel: fsdp`` shards it and its KL reference `ref` (the whole weights kept
+    in a sampler: the returned :class:`Sharded`); ``ddp`` wraps it in DDP, under ``torch.compile`` when
+    `compile_model` (compile wraps DDP, not the reverse). One process: nothing to do (None)."""
+    if world <= 1:
+        return None
+    if parallel == "fsdp":
+        sharded = Sharded(policy)
+        if ref is not None:
+            shard(ref.module)
+        if dist_utils.rank() == 0:
+            log.info("%s: FSDP2 over %d processes, %d blocks each a unit; the sampler holds the whole weights",
+                     stage, world, len(blocks(policy.module)))
+        return sharded
+    ddp = dist_utils.wrap_ddp(policy.module)
+    policy.runner = torch.compile(ddp) if compile_model else ddp
+    return None

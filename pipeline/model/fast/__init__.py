@@ -18,7 +18,7 @@ path everywhere, so one equivalence test can run the same work both ways
   log-probs are the same bits (``pipeline.rl.rollout``, the decoders' ``select``);
 - GRPO log-prob passes: each group's shared prompt run once (``Policy.token_logprobs``);
 - GRPO's old log-probs with several optimizer steps per rollout batch: the rollout's recorded ones in
-  fp32 instead of another forward pass (``pipeline.stages.grpo.reuses_sampled_logprobs``);
+  fp32 instead of another forward pass (``pipeline.rl.update.reuses_sampled_logprobs``);
 - log p(target): a fused backward instead of autograd's graph of log-softmax and gather.
 - transformers models with a tanh-approximate GELU written as a Python formula (GPT-2's ``gelu_new``,
   ``gelu_fast``, ``gelu_accurate``, ``gelu_python_tanh``): one ``F.gelu(approximate="tanh")`` op,
