@@ -148,13 +148,51 @@ def test_overrides_keep_comments_and_name_a_missing_key(tmp_path):
         apply_overrides(params, ["grpo.kl_coefs=1"])
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")) + sorted(REPO.glob("recipes/*/params.yaml")),
-                         ids=lambda p: p.stem if p.parent.name == "configs" else p.parent.name)
-def test_configs_hold_every_key_so_dvc_exp_run_can_set_any(path):
+@pytest.mark.parametrize("path", sorted(REPO.glob("recipes/*/params.yaml")), ids=lambda p: p.parent.name)
+def test_recipe_params_hold_every_key_so_dvc_exp_run_can_set_any(path):
     keys = lambda d: {(s, k) for s, sec in d.items() for k in sec}  # noqa: E731
     base = yaml.safe_load((REPO / "params.yaml").read_text())
     missing = keys(base) - keys(yaml.safe_load(path.read_text()))
-    assert not missing, f"{path.name} lacks {sorted(missing)}: run `python configs/complete.py`"
+    assert not missing, f"{path} lacks {sorted(missing)}: python -m pipeline.core.config_render {path} > it"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_configs_hold_only_the_keys_they_change(path, monkeypatch):
+    """A file in configs/ is an override file: each key it holds differs from its default, so a reader
+    sees what the config is about; `config_render FILE` writes it out in full for DVC, with the same
+    values."""
+    import pipeline.core.config_loading as loading
+    from pipeline.core.config import Config
+    from pipeline.core.config_render import render_params
+
+    monkeypatch.setattr(loading, "_check_memory", lambda cfg, source: None)  # GPU configs on this machine
+    defaults = Config().flat()
+    raw = yaml.safe_load(path.read_text())
+    cfg = loading.load_config(path)
+    same = [f"{s}.{k}" for s, sec in raw.items() for k in sec if cfg.flat()[f"{s}.{k}"] == defaults[f"{s}.{k}"]]
+    assert not same, f"{path.name} repeats defaults: {same}"
+    assert loading.config_from_dict(yaml.safe_load(render_params(cfg))) == cfg
+
+
+def test_configs_together_stay_short():
+    assert sum(len(p.read_text().splitlines()) for p in (REPO / "configs").glob("*.yaml")) <= 600
+
+
+def test_config_render_writes_a_config_out_in_full_and_refuses_a_missing_one(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "pipeline.core.config_render", "configs/smoke.yaml"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    full = yaml.safe_load(res.stdout)
+    assert full["model"]["n_embd"] == 32 and full["grpo"]["kl_coef"] == 0.04  # the config's value; a default
+    assert {(s, k) for s, sec in full.items() for k in sec} == {
+        (s, k) for s, sec in yaml.safe_load((REPO / "params.yaml").read_text()).items() for k in sec}
+    res = subprocess.run([sys.executable, "-m", "pipeline.core.config_render", "configs/nope.yaml"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "error: configs/nope.yaml: params file not found (pass --params FILE or run where params.yaml is)"]
 
 
 def test_params_file_other_than_params_yaml_becomes_overrides(tmp_path, monkeypatch):

@@ -1,12 +1,15 @@
 """params.yaml written from the config sections: their defaults, section and field docstrings.
 
-Regenerate with ``python -m pipeline.core.config_render > params.yaml``.
+Regenerate with ``python -m pipeline.core.config_render > params.yaml``. With a params file, its values
+in full, for `dvc repro` on them: ``python -m pipeline.core.config_render configs/smoke.yaml > params.yaml``
+(a file in ``configs/`` holds only the keys it changes; DVC reads params.yaml, which must hold every key).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from typing import Any
 
 import yaml
@@ -54,5 +57,15 @@ def render_params(cfg: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
+def main(argv: list[str]) -> int:
+    from pipeline.core.cli import exit_status
+    from pipeline.core.config_loading import load_config
+
+    if len(argv) > 1 or argv[:1] in (["-h"], ["--help"]):
+        print("usage: python -m pipeline.core.config_render [PARAMS_FILE] > params.yaml", file=sys.stderr)
+        return 2
+    return exit_status(lambda: print(render_params(load_config(argv[0]) if argv else Config()), end="") or 0)
+
+
 if __name__ == "__main__":
-    print(render_params(Config()), end="")
+    sys.exit(main(sys.argv[1:]))
