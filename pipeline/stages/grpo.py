@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from pipeline.core import distributed as dist_utils
-from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, GRPOConfig, WarmupConfig
+from pipeline.core.config import (CHECKPOINT_DIR, DATA_DIR, GRPO_STAGES, PLOTS_DIR, Config, GRPOConfig, WarmupConfig,
+                                  stage_of)
 from pipeline.core.errors import InputError, TrainingDivergedError
 from pipeline.core.files import write_series_csv
 from pipeline.core.progress import Pace, progress_bar
@@ -53,11 +54,6 @@ from pipeline.train.resume import check_ranks_agree, load_resume, resume_key, sa
 
 log = logging.getLogger(__name__)
 
-STAGE_IO = {  # stage -> (init checkpoint, train file, held-out file)
-    "warmup": ("sft", "arith_train.jsonl", "arith_eval.jsonl"),
-    "grpo": ("warmup", "gsm8k_train.jsonl", "gsm8k_val.jsonl"),
-}
-REFERENCE = "sft"
 CSV_COLUMNS = ["iteration", "reward", "reward_std", "informative", "kl", "clipfrac", "loss", "grad_norm",
                "response_len", "truncated", "entropy", "lr", "dropped_groups", "reward_sampled",
                "informative_sampled", "skipped_steps", "accuracy"]  # no wall-clock figure: the file is git-tracked
@@ -100,12 +96,11 @@ class StagePaths:
 
     @classmethod
     def of(cls, stage: str) -> StagePaths:
-        if stage not in STAGE_IO:
-            raise ValueError(f"stage={stage!r}; allowed: {', '.join(STAGE_IO)}")
-        init, train, held_out = STAGE_IO[stage]
-        ckpt, data = Path(CHECKPOINT_DIR), Path(DATA_DIR)
-        return cls(ckpt / init, ckpt / REFERENCE, ckpt / stage, ckpt / f"{stage}.resume",
-                   Path(PLOTS_DIR) / f"{stage}.csv", data / train, data / held_out)
+        if stage not in GRPO_STAGES:
+            raise ValueError(f"stage={stage!r}; allowed: {', '.join(GRPO_STAGES)}")
+        row, ckpt, data = stage_of(stage), Path(CHECKPOINT_DIR), Path(DATA_DIR)
+        return cls(ckpt / row.init, ckpt / row.reference, ckpt / stage, ckpt / f"{stage}.resume",
+                   Path(PLOTS_DIR) / f"{stage}.csv", data / row.train, data / row.held_out)
 
 
 @dataclass

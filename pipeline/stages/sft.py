@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.core import distributed as dist_utils
-from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, Config, SFTConfig
+from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, PLOTS_DIR, SFT_STAGES, Config, SFTConfig
 from pipeline.core.errors import InputError
 from pipeline.core.files import write_series_csv
 from pipeline.core.progress import Pace, progress_bar
@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 
 CSV_COLUMNS = ("step", "loss", "val_loss", "arith_accuracy")
 OUT, CSV, RESUME = Path(CHECKPOINT_DIR) / "sft", Path(PLOTS_DIR) / "sft.csv", Path(CHECKPOINT_DIR) / "sft.resume"
-SFT_STAGES = ("sft", "control")
 EVAL_BATCH = 64  # sequences per validation-loss batch
 
 

@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, Config
+from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, STAGE_TABLE, Config
 from pipeline.core.errors import InputError
 from pipeline.core.kernels import cpu_fields, cpuinfo, mkl_branch
 
@@ -100,14 +100,7 @@ def experiment_label() -> str | None:
     return os.environ.get(RUN_NAME_ENV) or os.environ.get("DVC_EXP_NAME") or None
 
 
-STAGE_KEY_PARAMS = {  # what tells two runs of a stage apart in a list of run names
-    "prepare": ("data.seed",),
-    "sft": ("sft.steps", "sft.lr"),
-    "control": ("control.steps", "control.lr"),
-    "warmup": ("warmup.iterations", "warmup.kl_coef", "warmup.lr"),
-    "grpo": ("grpo.iterations", "grpo.kl_coef", "grpo.lr", "grpo.group_size"),
-    "evaluate": ("evaluate.gsm8k_limit",),
-}
+STAGE_KEY_PARAMS = {s.name: s.key_params for s in STAGE_TABLE}  # what tells two runs apart in a list of names
 
 
 def run_name(cfg: Config, stage: str | None = None, label: str | None = None) -> str:

@@ -47,12 +47,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.core.config import Config
+from pipeline.core.config import TRAINING_STAGES, Config
 from pipeline.core.lock import pid_alive
 from pipeline.tracking.common import (FLOW_RUN_ENV, PARENT_RUN_ENV, experiment_label, git_state, outputs_digest,
                                       repo_root, run_name, runtime_tags)
 from pipeline.tracking.mlflow_client import (COMMIT_TAG, END_TIMEOUT_S, HOST_TAG, OUTPUTS_TAG, PENDING_TIMEOUT_S, PID_TAG,
-                                             REUSED_TAG, ROLE_TAG, STAGE_TAG, STOPPED_END_TIMEOUT_S, TRAINING_STAGES,
+                                             REUSED_TAG, ROLE_TAG, STAGE_TAG, STOPPED_END_TIMEOUT_S,
                                              WORKSPACE_TAG, _log_params, _no_http_retries, _params, _unavailable,
                                              client_for, experiment_id, probe, tracking_uri)
 from pipeline.tracking.mlflow_logger import PENDING_DIR, MlflowLogger, load_pending

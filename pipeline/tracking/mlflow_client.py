@@ -31,7 +31,6 @@ COMMIT_TAG = "mlflow.source.git.commit"
 CHECKPOINT_TAG = "grpo.checkpoint_sha256"
 OUTPUTS_TAG = "grpo.outputs"  # common.outputs_digest of the stage's DVC outs, on its finished run
 REUSED_TAG = "grpo.reused."  # + stage, on a parent: the run whose outputs it used where DVC skipped the stage
-TRAINING_STAGES = ("sft", "warmup", "control", "grpo")
 for _knob, _value in (("MLFLOW_HTTP_REQUEST_TIMEOUT", "30"), ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")):
     os.environ.setdefault(_knob, _value)  # bounded calls unless the user chose otherwise
 
