@@ -189,6 +189,26 @@ def test_yaml_scientific_notation_string_is_accepted(tmp_path):
     assert load_config(p).grpo.lr == 1e-5
 
 
+@pytest.mark.parametrize("text,value", [("sft:\n  steps: 1:30\n", "1:30"), ("model:\n  compile: on\n", "on"),
+                                        ("model:\n  compile: yes\n", "yes"), ("model:\n  compile: Off\n", "Off"),
+                                        ("sft:\n  steps: 010\n", "010"), ("sft:\n  lr: 1:30.5\n", "1:30.5"),
+                                        ("on:\n  steps: 3\n", "on")])
+def test_a_value_yaml_1_1_and_dvcs_yaml_1_2_read_differently_is_refused(tmp_path, text, value):
+    """PyYAML (YAML 1.1) reads `1:30` as 90, `on`/`yes` as true and `010` as 8; DVC's reader (YAML 1.2)
+    as the strings '1:30', 'on', 'yes' and the number 10: the run would train on one value while
+    DVC records another. One line naming the file, the line and the value; quoted text still reads."""
+    from ruamel.yaml import YAML
+
+    p = tmp_path / "p.yaml"
+    p.write_text(text)
+    assert YAML(typ="safe").load(text) != yaml.safe_load(text)  # the two readers disagree on it
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(p))}:\d: {re.escape(value)} is "):
+        load_config(p)
+    p.write_text("data:\n  system_prompt: 'on'\nsft:\n  steps: 10\nmodel:\n  compile: true\n")
+    cfg = load_config(p)
+    assert (cfg.data.system_prompt, cfg.sft.steps, cfg.model.compile) == ("on", 10, True)
+
+
 def _cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True,
                           check=False, timeout=120)

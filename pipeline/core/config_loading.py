@@ -399,6 +399,32 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, d
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
+# Plain scalars YAML 1.1 (PyYAML, this reader) and YAML 1.2 (ruamel, DVC's reader of params.yaml) read as
+# different values: refused, so the pipeline never trains on a value DVC records as another.
+_YAML11_ONLY = {
+    "bool": (re.compile(r"(?i:yes|no|on|off)"), "true/false to YAML 1.1 (the pipeline's reader) but a string to "
+             "YAML 1.2 (DVC's); write true or false, or quote it for the text"),
+    "int": (re.compile(r"[-+]?(?:[0-9][0-9_]*(?::[0-5]?[0-9])+|0[0-7_]+)"), "a base-60 or octal number to YAML 1.1 "
+            "(the pipeline's reader) but not to YAML 1.2 (DVC's); write the number in decimal, or quote it"),
+    "float": (re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*"), "a base-60 number to YAML 1.1 (the "
+              "pipeline's reader) but a string to YAML 1.2 (DVC's); write the number in decimal, or quote it"),
+}
+
+
+def _one_reading(kind: str):
+    base = getattr(yaml.SafeLoader, f"construct_yaml_{kind}")
+    pattern, why = _YAML11_ONLY[kind]
+
+    def construct(loader: yaml.SafeLoader, node: yaml.ScalarNode):
+        if pattern.fullmatch(node.value):
+            raise ConfigError(f"{loader.name}:{node.start_mark.line + 1}: {node.value} is {why}")
+        return base(loader, node)
+    return construct
+
+
+for _kind in _YAML11_ONLY:
+    _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_kind}", _one_reading(_kind))
+
 
 def _params_text(path: Path) -> str:
     """The params file as text: refused if too large, not UTF-8 text, or holding NUL bytes."""
