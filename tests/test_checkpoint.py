@@ -84,6 +84,23 @@ def test_mismatched_config_is_refused(gpt_policy, tmp_path):
         load_policy(folder, device="cpu")
 
 
+@pytest.mark.parametrize("key,value,says", [("n_layer", 0, "model.n_layer"), ("dtype", "fp8", "model.dtype"),
+                                            ("lora_rank", "4", "model.lora_rank")])
+def test_a_saved_model_config_out_of_range_is_one_line_naming_the_file_and_key(gpt_policy, tmp_path, key, value, says):
+    """A checkpoint whose saved `model` section holds a value the schema does not allow (edited, or
+    written by a version with other ranges): a CheckpointError naming config.json and the key, not
+    pydantic's multi-line ValidationError."""
+    folder = save_policy(tmp_path / "c", gpt_policy)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["model"][key] = value
+    (folder / "config.json").write_text(json.dumps(meta))
+    checkpoint_manifest._write_manifest(folder)
+    with pytest.raises(CheckpointError) as info:
+        load_policy(folder, device="cpu")
+    text = str(info.value)
+    assert text.startswith(str(folder / "config.json")) and says in text and "\n" not in text
+
+
 def test_missing_manifest_or_folder_is_refused(gpt_policy, tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         load_policy(tmp_path / "nope")

@@ -323,6 +323,12 @@ def _build_section(default: Any, raw: Any, section: str, source: str) -> Any:
         raise ConfigError(_problem(exc.errors()[0], cls, section, source)) from None
 
 
+def section_from_dict(section: str, raw: Any, source: str) -> Any:
+    """One config section from the mapping `raw` over its defaults, checked as a params file's is:
+    ConfigError naming `source`, the key and what it allows (a checkpoint's saved model section)."""
+    return _build_section(getattr(Config(), section), raw, section, source)
+
+
 def config_from_dict(raw: Any, source: str = "params") -> Config:
     if raw is None:
         raw = {}

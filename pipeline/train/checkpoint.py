@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from pipeline.core.config import ModelConfig
+from pipeline.core.config import ConfigError, ModelConfig
+from pipeline.core.config_loading import section_from_dict
 from pipeline.core.errors import CheckpointError
 from pipeline.model.gpt import GPT, GPTConfig
 from pipeline.model.lora import is_lora, merged_state_dict
@@ -72,7 +73,10 @@ def _model_config(raw: Any, path: Path) -> ModelConfig:
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: 'model' must be a mapping of ModelConfig fields")
-    return ModelConfig(**{k: v for k, v in raw.items() if k in names})
+    try:
+        return section_from_dict("model", {k: v for k, v in raw.items() if k in names}, str(path))
+    except ConfigError as exc:  # edited, or written by a version with other ranges: one line, not pydantic's
+        raise CheckpointError(f"{exc} (in the checkpoint's saved model config)") from None
 
 
 def _check_finite(tensors, path: Path) -> None:
