@@ -302,3 +302,31 @@ def test_load_policy_takes_the_runs_run_time_keys(gpt_policy, tmp_path):
         load_policy(folder, device="cpu", run=tiny_model_config(backend="hf", gradient_checkpointing=True))
     # every key is one or the other (`init` is where the checkpoint came from)
     assert set(ckpt.ARCH_FIELDS) | set(ckpt.RUNTIME_FIELDS) | {"init"} == {f.name for f in dataclasses.fields(run)}
+
+
+def test_hf_weights_as_a_pickle_are_refused_in_one_line_and_never_unpickled(hf_dirs, tmp_path, monkeypatch):
+    """A model folder whose weights are `pytorch_model.bin` (a pickle): one InputError naming the file and
+    how to convert it, before transformers (whose own message advises `weights_only=False`) or torch
+    ever opens it; the same folder with safetensors loads."""
+    import shutil
+
+    import torch
+
+    from pipeline.core.errors import InputError
+    from pipeline.model.hf import load_hf
+
+    folder = tmp_path / "m"
+    shutil.copytree(hf_dirs["llama"], folder)
+    weights = next(folder.glob("*.safetensors"))
+    from safetensors.torch import load_file
+
+    torch.save(load_file(weights), folder / "pytorch_model.bin")
+    weights.unlink()
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a pickle was opened"))
+    with pytest.raises(InputError) as info:
+        load_hf(folder)
+    text = str(info.value)
+    assert text.startswith(f"{folder}: no safetensors weights; pytorch_model.bin is a pickle file") and "\n" not in text
+    assert "save_pretrained" in text
+    model, _ = load_hf(hf_dirs["llama"])  # the safetensors original
+    assert sum(p.numel() for p in model.parameters()) > 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from pipeline.core.errors import InputError
 from pipeline.data.tokenizer import HFTokenizer, load_hf_tokenizer
 from pipeline.model import fast
 from pipeline.model.attention import grouped_prefix_attention, positions_from_mask, whole_cache_key_bias, whole_groups
@@ -33,7 +34,16 @@ def load_hf(init: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Mo
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(init), dtype=dtype)
+    folder = Path(init)
+    if folder.is_dir() and not any(folder.glob("*.safetensors")):
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        raise InputError(f"{folder}: no safetensors weights" + (
+            f"; {', '.join(pickles)} {'is a' if len(pickles) == 1 else 'are'} pickle file{'s' * (len(pickles) > 1)}, "
+            "which the pipeline never loads (unpickling can run code). Convert once where you trust the file: "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT) writes model.safetensors" if pickles else
+            "; expected the model.safetensors (or sharded *.safetensors) of save_pretrained"))
+    # safetensors only, also for a hub id: a pickle `pytorch_model.bin` is never loaded
+    model = AutoModelForCausalLM.from_pretrained(str(init), dtype=dtype, use_safetensors=True)
     return model, load_hf_tokenizer(init)
 
 
