@@ -386,7 +386,7 @@ def test_a_checkpoint_is_an_mlflow_model_that_loads_and_generates(store, tmp_pat
     import pandas as pd
 
     assert loaded.predict(pd.DataFrame({"prompt": prompts}), params={"max_new_tokens": 8}) == want
-    from pipeline.tracking.policy_model import prompts_of
+    from pipeline.policy_model import prompts_of
 
     assert prompts_of("x") == ["x"] and prompts_of(pd.DataFrame({"q": ["x", "y"]})) == ["x", "y"]
     with pytest.raises(ValueError, match="'prompt' column"):

@@ -187,7 +187,7 @@ def outputs_digest(stage: str, work: Path | None = None) -> str | None:
     return h.hexdigest()
 
 
-# The generation params of a checkpoint's MLflow Model (pipeline/tracking/policy_model.py) and their
+# The generation params of a checkpoint's MLflow Model (pipeline/policy_model.py) and their
 # defaults: its signature (pipeline.tracking.mlflow_models) and its predict() read them from here.
 POLICY_MODEL_PARAMS: dict[str, object] = {"max_new_tokens": 256, "greedy": True, "temperature": 1.0, "top_p": 1.0,
                                           "batch_size": 16, "seed": 0}

@@ -1,4 +1,4 @@
-"""Checkpoints as MLflow Models (pyfunc, from code: :mod:`pipeline.tracking.policy_model`) of their
+"""Checkpoints as MLflow Models (pyfunc, from code: :mod:`pipeline.policy_model`) of their
 stage's run, and the grpo checkpoint as registered model versions, tagged with their evaluation."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def _size_mb(folder: Path) -> float:
 
 
 MODEL_ID_TAG = "grpo.model_id"
-# the model's code file, named by path: importing it would pull generation and checkpoint loading
-# (a higher layer) into every stage that tracks
-POLICY_MODEL_CODE = Path(__file__).with_name("policy_model.py")
+# the model's code file, named by path: it loads checkpoints and generates (train, rl), which tracking,
+# a leaf below them, never imports
+POLICY_MODEL_CODE = Path(__file__).resolve().parents[1] / "policy_model.py"
 
 
 def log_checkpoint(log: MlflowLogger, cfg: Config, stage: str) -> None:

@@ -10,6 +10,12 @@ the ``pipeline`` package as the model's code. Loaded anywhere with ``mlflow.pyfu
     model.predict(["What is 2 + 3?\\nGive the final answer as <answer>N</answer>."],
                   params={"max_new_tokens": 64})
 
+Loading runs Python: MLflow imports this file and the ``pipeline`` package stored with the model
+(models from code, by design), so load only models you trust, as you would run their code. The weights
+alone, without running stored code: the ``checkpoint`` artifact is a pipeline checkpoint, read with
+``pipeline.train.checkpoint.load_policy(folder)``, which verifies its manifest and reads safetensors
+and JSON only. This file lives at the package's top, above ``tracking``, which names it by path.
+
 Input: a list of prompt strings, or a DataFrame with a ``prompt`` column (the text the model sees:
 already in its chat template where the run used one, as the pipeline's data files hold it).
 Output: one completion per prompt, greedy unless ``params={"greedy": False, "temperature": ...,
