@@ -19,7 +19,7 @@ run stays reproducible.
 
 Recorded log-probs: ``logprobs[:, t] = log_softmax(logits / temperature)[token]``, the
 FULL-vocabulary distribution at the sampling temperature, before top-k / top-p truncation (the
-same quantity :func:`compute_logprobs` gives with the same `temperature`; with temperature 1 it is
+same quantity ``Policy.token_logprobs`` gives with the same `temperature`; with temperature 1 it is
 the plain model distribution the GRPO ratio needs). Greedy decoding records it too.
 
 Layout of every (N, T) tensor, T = prompt width + generated steps:
