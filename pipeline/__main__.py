@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(headline_table())
     elif args.stage == "all":
-        return run_all(cfg)
+        return run_all(cfg, _nodes(args))
     else:
         return run_one(cfg, args.stage, _nodes(args))
     return 0
@@ -277,8 +277,9 @@ def run_one(cfg, name: str, nodes: Nodes | None = None) -> int:
     return 0
 
 
-def run_all(cfg) -> int:
-    """Every stage in order in this process: one workspace lock, one MLflow parent run."""
+def run_all(cfg, nodes: Nodes | None = None) -> int:
+    """Every stage in order in this process: one workspace lock, one MLflow parent run; `nodes` (the
+    node flags, checked like a single stage's) for the stages that run under torchrun."""
     from pipeline.core.lock import workspace_lock
     from pipeline.tracking import PARENT_RUN_ENV, end_pipeline_run, run_name, start_pipeline_run, temporary_env
 
@@ -288,7 +289,7 @@ def run_all(cfg) -> int:
         try:
             with temporary_env({PARENT_RUN_ENV: parent}):
                 for name in STAGES:
-                    code = run_one(cfg, name)
+                    code = run_one(cfg, name, nodes)
                     if code:
                         return code
             status = "FINISHED"

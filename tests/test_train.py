@@ -473,3 +473,7 @@ def test_bad_node_flags_are_one_line_each(workdir):
         "error: grpo.nproc = 3 over --nnodes 2: allowed: a multiple of the node count (nproc counts the processes "
         "of every node, the same number on each)")
     assert not (workdir / "checkpoints" / "grpo").exists()
+    before = sorted(str(p) for p in workdir.rglob("*"))
+    res = _run_cli("all", cwd=workdir, args=("--nnodes", "0"))  # `all` checks them too, before any stage
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("error: --nnodes 0 --node-rank 0:")
+    assert sorted(str(p) for p in workdir.rglob("*")) == before  # nothing written
