@@ -286,6 +286,9 @@ GOOD = [  # well-formed GSM8K records: a worked answer, thousands separators, a 
     {"question": "Half of 7?", "answer": "7 / 2 = <<7/2=3.5>>3.5\n####3.5"},
 ]
 
+# the same records asked as other questions: a test split disjoint from a train split of GOOD
+GOOD_TEST = [{**r, "question": f"In the test split: {r['question']}"} for r in GOOD]
+
 
 def write_jsonl(path: Path, records: list) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)

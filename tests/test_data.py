@@ -21,7 +21,7 @@ from pipeline.core.errors import InputError
 from pipeline.data import arithmetic as ar
 from pipeline.data import gsm8k as gs
 from pipeline.data.prompts import format_number, format_prompt
-from tests.conftest import GOOD, GSM8K, REPO, TEMPLATE, write_jsonl
+from tests.conftest import GOOD, GOOD_TEST, GSM8K, REPO, TEMPLATE, write_jsonl
 
 # --------------------------------------------------------------------------- answers and rewriting
 
@@ -69,7 +69,7 @@ def test_row_schema():
 @pytest.fixture
 def sources(tmp_path):
     """The same two splits as a JSONL pair, a Parquet pair, a folder and hub-style shards."""
-    train, test = GOOD * 3, GOOD[:2]
+    train, test = GOOD * 3, GOOD_TEST[:2]
     write_jsonl(tmp_path / "jsonl" / "gsm8k_train.jsonl", train)
     write_jsonl(tmp_path / "jsonl" / "gsm8k_test.jsonl", test)
     (tmp_path / "pq").mkdir()
@@ -340,7 +340,7 @@ def test_run_prepare_fails_on_too_many_bad_rows(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "src" / "train.jsonl", GOOD * 5 + [{"question": "q", "answer": "oops"}])
-    write_jsonl(tmp_path / "src" / "test.jsonl", GOOD)
+    write_jsonl(tmp_path / "src" / "test.jsonl", GOOD_TEST)
     cfg = load_config(REPO / "configs" / "smoke.yaml",
                       ["data.gsm8k_source=src", "data.val_size=2", "data.max_bad_fraction=0.01"])
     with pytest.raises(InputError, match=r"src: 1 of 21 train rows are malformed.*train.jsonl:21"):
@@ -352,3 +352,21 @@ def test_run_prepare_fails_on_too_many_bad_rows(tmp_path, monkeypatch):
     stats = json.loads(Path("data/stats.json").read_text())
     assert stats["rejected"]["rows"] == [{"split": "train", "location": "src/train.jsonl:21",
                                           "reason": "answer has no '#### N' final line"}]
+
+
+def test_test_questions_copied_into_the_train_split_are_refused(tmp_path, monkeypatch):
+    """A source whose train split holds a test question (case and spacing aside): one line naming the
+    source, the count and the first pair, nothing written; a model would be scored on what it trained on."""
+    from pipeline.stages.prepare import run_prepare
+
+    monkeypatch.chdir(tmp_path)
+    leaked = {**GOOD_TEST[1], "question": "  " + GOOD_TEST[1]["question"].upper().replace(" ", "  ")}
+    write_jsonl(tmp_path / "src" / "train.jsonl", GOOD * 5 + [leaked])
+    write_jsonl(tmp_path / "src" / "test.jsonl", GOOD_TEST)
+    cfg = load_config(REPO / "configs" / "smoke.yaml", ["data.gsm8k_source=src", "data.val_size=2"])
+    with pytest.raises(InputError, match=r"^src: 1 test question is also in the train split \(first: "
+                                         r"gsm8k-test-00001 is gsm8k-train-00020\)"):
+        run_prepare(cfg)
+    assert not Path("data").exists()
+    write_jsonl(tmp_path / "src" / "train.jsonl", GOOD * 5)
+    assert run_prepare(cfg)["counts"]["gsm8k_test"] == len(GOOD_TEST)

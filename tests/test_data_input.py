@@ -15,7 +15,7 @@ from pipeline.core.errors import InputError
 from pipeline.data import gsm8k as gs
 from pipeline.data.schema import read_rows
 from pipeline.stages.prepare import run_prepare
-from tests.conftest import GOOD, TEMPLATE, write_jsonl
+from tests.conftest import GOOD, GOOD_TEST, TEMPLATE, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _source(tmp_path, train=None, test=None) -> Path:
     src = tmp_path / "src"
     write_jsonl(src / "train.jsonl", train if train is not None else GOOD * 5)
-    write_jsonl(src / "test.jsonl", test if test is not None else GOOD)
+    write_jsonl(src / "test.jsonl", test if test is not None else GOOD_TEST)
     return src
 
 

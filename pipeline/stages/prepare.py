@@ -33,6 +33,20 @@ SPLIT_FILES = ("gsm8k_train", "gsm8k_val", "gsm8k_test", "arith_train", "arith_e
 MAX_LISTED_BAD = 50  # rejected rows listed one by one in stats.json (all are counted)
 
 
+def check_disjoint(train: list[dict], test: list[dict], source: str) -> None:
+    """InputError where a test question is also a train question (case and spacing aside): the model
+    would be scored on problems it trained on. GSM8K's own splits share none."""
+    def key(q: str) -> str:
+        return " ".join(q.lower().split())
+
+    seen = {key(r["question"]): r["id"] for r in train}
+    both = [(r["id"], seen[key(r["question"])]) for r in test if key(r["question"]) in seen]
+    if both:
+        raise InputError(f"{source}: {len(both)} test question{'s are' if len(both) > 1 else ' is'} also in the train "
+                         f"split (first: {both[0][0]} is {both[0][1]}); a model would be scored on problems it trained "
+                         "on: remove them from the train file")
+
+
 def split_validation(rows: list[dict], val_size: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(train, val): `val_size` rows drawn with `seed`; both keep the source order."""
     if val_size >= len(rows):
@@ -100,6 +114,7 @@ def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
                                         d.gsm8k_source)
     bad = bad_train + bad_test
     _report_bad(bad)
+    check_disjoint(gsm_train, gsm_test, d.gsm8k_source)
     gsm_train, gsm_val = split_validation(gsm_train, d.val_size, d.seed)
     arith_train, arith_eval = generate_curriculum(d.arith_train_size, d.arith_eval_size, d.arith_max_level,
                                                   d.seed, d.prompt_template, d.arith_solution)
