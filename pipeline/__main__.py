@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.cli import add_config_args, exit_status
+from pipeline.core.progress import write_report
 from pipeline.core.config import STAGES
 from pipeline.core.config_loading import dump_config, load_config
 from pipeline.core.kernels import apply as pin_cpu_kernels
@@ -274,6 +275,7 @@ def run_one(cfg, name: str, nodes: Nodes | None = None) -> int:
     result = stage_function(name)(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps({"stage": name, **(result or {})}, default=str))
+        write_report({"stage": name, "ran": True})
     return 0
 
 

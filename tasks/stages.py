@@ -4,7 +4,10 @@ A stage task runs ``dvc repro --single-item <stage>`` in the working copy it is 
 decides whether the stage is up to date, records it in ``dvc.lock`` and fills its cache, exactly as
 a ``dvc repro`` by hand would. The stage's output (the ``pipeline`` logger's progress lines and
 DVC's own) is relayed line by line to the task's Prefect logger, and the task returns a small dict:
-``{"stage", "status": "ran" | "skipped" | "restored", "workdir"}``. Each task takes the previous
+``{"stage", "status": "ran" | "skipped" | "restored", "workdir"}``. What happened is read from
+structured output, never from log text: the stage command writes a JSON report to the file named by
+``GRPO_STAGE_REPORT`` (``{"ran": true}``, or its error and kind: input, tracking, diverged), and
+dvc.lock's record of the stage before and after tells a run-cache restore from a skip. Each task takes the previous
 stage's results as ``upstream`` (the stages it depends on), so the Prefect graph is dvc.yaml's graph. The flow asks
 ``dvc status`` once at the start (``changed``): a stage it reports up to date, with nothing run
 upstream since, is skipped without starting DVC again (a no-op run costs one DVC start, not five).
@@ -28,11 +31,14 @@ their resume state (``checkpoints/<stage>.resume``: not a DVC out, so DVC leaves
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -46,6 +52,7 @@ from prefect.states import Cancelled, Failed, State
 
 from pipeline.core.config import CHECKPOINT_DIR, STAGE_TABLE
 from pipeline.core.errors import InputError
+from pipeline.core.progress import REPORT_ENV
 from pipeline.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, RUN_NAME_ENV, TrackingUnavailableError
 
 RETRY_DELAYS_S = [5, 30]
@@ -201,26 +208,43 @@ def _flow_run_id() -> str | None:
     return flow_run.id
 
 
-def stage_status(name: str, output: str) -> str:
-    """What DVC did with the stage, from its report: ran, restored (run cache) or skipped."""
-    if f"Running stage '{name}'" in output:
+def lock_entry(workdir: str | Path, name: str) -> Any:
+    """The stage's record in ``workdir``'s dvc.lock (None: not there): what DVC holds of its last run."""
+    import yaml
+
+    try:
+        return (yaml.safe_load((Path(workdir) / "dvc.lock").read_text()) or {}).get("stages", {}).get(name)
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+
+
+def stage_status(report: dict | None, before: Any, after: Any) -> str:
+    """What DVC did with the stage: ran its command (the command's own report says so), restored its
+    outputs from the run cache (no report, and dvc.lock's record of it changed) or skipped it."""
+    if report and report.get("ran"):
         return "ran"
-    if f"Stage '{name}' is cached" in output:
-        return "restored"
-    return "skipped"
+    return "restored" if after != before else "skipped"
 
 
-def failure(name: str, lines: list[str], code: int) -> Exception:
-    """The exception a failed ``dvc repro`` of ``name`` becomes: the stage's one-line error when it
-    printed one (bad input: an InputError; an unreachable tracking server: retried), else the tail."""
-    errors = [ln[len("error: "):] for ln in lines if ln.startswith("error: ")]
-    if errors:
-        kind = TrackingUnavailableError if "tracking at" in errors[-1] and "unavailable" in errors[-1] else InputError
-        return kind(f"{name}: {errors[-1]}")
+def failure(name: str, report: dict | None, lines: list[str], code: int) -> Exception:
+    """The exception a failed ``dvc repro`` of ``name`` becomes: the stage command's reported error
+    (bad input: an InputError; an unreachable tracking server: retried; a diverged run: StageFailed),
+    else DVC's own failure with the output's tail."""
+    if report and "error" in report:
+        kind = {"input": InputError, "tracking": TrackingUnavailableError}.get(report.get("kind"), StageFailed)
+        return kind(f"{name}: {report['error']}")
     tail = " | ".join(lines[-5:])
     if any(word in tail for word in TRANSIENT_NAMES):
         return TransientStageError(f"{name}: dvc repro failed (exit {code}): {tail}")
     return StageFailed(f"{name}: dvc repro failed (exit {code}): {tail}")
+
+
+def _read_report(path: Path) -> dict | None:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -233,6 +257,9 @@ def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = No
     bin_dir = str(Path(sys.executable).parent)  # `python` in dvc.yaml's commands: this environment's
     full_env["PATH"] = bin_dir + os.pathsep + full_env.get("PATH", "")
     lines: list[str] = []
+    report_dir = Path(tempfile.mkdtemp(prefix=f"grpo-{name}-"))  # where the command writes its report
+    full_env[REPORT_ENV] = str(report_dir / "report.json")
+    before = lock_entry(workdir, name)
     # its own process group: a terminal's Ctrl-C reaches the flow alone, which stops the stages itself
     proc = _start(name, cmd, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                   text=True, errors="replace", bufsize=1)
@@ -246,11 +273,13 @@ def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = No
     finally:
         with _running_lock:
             _running.pop(proc.pid, None)
+    report = _read_report(report_dir / "report.json")
+    shutil.rmtree(report_dir, ignore_errors=True)
     if proc.returncode != 0 and stopped_by() is not None:
         raise StageInterrupted(f"{name}: stopped by {signal.Signals(stopped_by()).name}{resume_note(name, workdir)}")
     if proc.returncode != 0:
-        raise failure(name, lines, proc.returncode)
-    status = stage_status(name, "\n".join(lines))
+        raise failure(name, report, lines, proc.returncode)
+    status = stage_status(report, before, lock_entry(workdir, name))
     log.info(f"{name}: {status} (DVC's decision)")
     return {"stage": name, "status": status, "workdir": str(workdir)}
 

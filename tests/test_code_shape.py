@@ -207,3 +207,16 @@ def test_dvc_deps_cover_the_code_each_stage_runs(dvcfile, stage):
         if not any(path == d or path.startswith(d + "/") for d in code):
             missing.append(path)
     assert not missing, f"{dvcfile} stage {stage} lacks deps {missing}"
+
+
+def test_the_library_opens_neither_dvc_yaml_nor_dvc_lock():
+    """DVC owns its files: what a stage reads and writes is the stage table's (held to dvc.yaml by
+    tests/test_dvc.py), hashes are DVC's. The one mention allowed: dvc.lock among the paths a git-state
+    check leaves out (tracking/common.py's OUTPUT_PATHS), which reads git, not the file."""
+    named = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) < 60 and (
+                    "dvc.yaml" in node.value or "dvc.lock" in node.value):
+                named.append((module, node.lineno, node.value))
+    assert named == [("pipeline.tracking.common", 34, "dvc.lock")], named

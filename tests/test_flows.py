@@ -153,6 +153,8 @@ if name in ("warmup", "control"):  # announce this branch, then wait for the oth
     met = os.path.exists(f"out/{other}.started")
 with open(f"out/{name}.json", "w") as f:
     json.dump({"met_the_other_branch": met, "start": start, "end": time.time()}, f)
+with open(os.environ["GRPO_STAGE_REPORT"], "w") as f:  # the stage command's report to the task
+    json.dump({"stage": name, "ran": True}, f)
 """
 
 

@@ -219,20 +219,40 @@ def test_bad_cron_is_one_line_exit_2():
 
 # --------------------------------------------------------------------------- DVC decides (fast helpers)
 
-def test_task_reads_dvc_report_and_maps_stage_errors():
+def test_task_reads_the_commands_report_and_dvc_lock_not_log_text():
+    """Whether a stage ran, was restored from DVC's run cache or skipped, and what its failure was, come
+    from the command's JSON report and dvc.lock's record, never from DVC's or the CLI's English."""
     from pipeline.core.errors import InputError
     from pipeline.tracking import TrackingUnavailableError
     from tasks.stages import StageFailed, failure, stage_status
 
-    assert stage_status("grpo", "Running stage 'grpo':\n> python -m pipeline grpo") == "ran"
-    assert stage_status("grpo", "Stage 'grpo' didn't change, skipping") == "skipped"
-    assert stage_status("grpo", "Stage 'grpo' is cached - skipping run, checking out outputs") == "restored"
-    bad = failure("prepare", ["Running stage 'prepare':", "error: data.gsm8k_source: /x: not found",
-                              "ERROR: failed to reproduce 'prepare'"], 255)
+    rec = {"cmd": "python -m pipeline grpo", "outs": [{"path": "checkpoints/grpo", "md5": "a"}]}
+    assert stage_status({"stage": "grpo", "ran": True}, rec, {**rec, "outs": []}) == "ran"
+    assert stage_status(None, rec, rec) == "skipped"
+    assert stage_status(None, None, rec) == "restored"  # outputs checked out of the run cache
+    assert stage_status(None, rec, {**rec, "outs": [{"path": "checkpoints/grpo", "md5": "b"}]}) == "restored"
+    lines = ["Running stage 'prepare':", "some output", "ERROR: failed to reproduce 'prepare'"]
+    bad = failure("prepare", {"error": "data.gsm8k_source: /x: not found", "kind": "input"}, lines, 2)
     assert type(bad) is InputError and str(bad) == "prepare: data.gsm8k_source: /x: not found"
-    down = failure("sft", ["error: MLflow tracking at http://h is unavailable (connection refused); ..."], 255)
+    down = failure("sft", {"error": "MLflow tracking at http://h is unavailable", "kind": "tracking"}, [], 2)
     assert isinstance(down, TrackingUnavailableError)
-    assert type(failure("grpo", ["Traceback", "RuntimeError: nan"], 255)) is StageFailed
+    assert type(failure("sft", {"error": "9 non-finite steps in a row", "kind": "diverged"}, [], 2)) is StageFailed
+    # an `error:` line without a report is not read as the stage's error: DVC's failure, with the tail
+    assert type(failure("grpo", None, ["error: looks like a user error", "Traceback"], 255)) is StageFailed
+
+
+def test_the_cli_reports_what_it_did_as_json(tmp_path):
+    """`python -m pipeline` writes its report where $GRPO_STAGE_REPORT says: the error and its kind for a
+    user's mistake (with the usual one line on stderr)."""
+    import json
+
+    report = tmp_path / "r.json"
+    env = {**ENV, "GRPO_STAGE_REPORT": str(report)}
+    res = subprocess.run([sys.executable, "-m", "pipeline", "prepare", "--set", "data.val_size=-1"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    got = json.loads(report.read_text())
+    assert got["kind"] == "input" and res.stderr.strip() == f"error: {got['error']}"
 
 
 # --------------------------------------------------------------------------- no run left RUNNING

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pipeline.core.config import ConfigError
 from pipeline.core.errors import InputError, TrainingDivergedError
 from pipeline.core.files import storage_errno
+from pipeline.core.progress import write_report
 
 
 def add_config_args(parser: argparse.ArgumentParser, params_help: str = "params file (default: params.yaml)",
@@ -24,11 +25,12 @@ def add_config_args(parser: argparse.ArgumentParser, params_help: str = "params 
 
 def exit_status(run: Callable[[], int]) -> int:
     """`run()`'s exit status, or 2 after one `error: ...` line for a user's mistake or a stop the
-    user must act on (a diverged run: its last good checkpoint is intact)."""
+    user must act on (a diverged run: its last good checkpoint is intact), reported as well."""
     try:
         return run()
     except (ConfigError, InputError, TrainingDivergedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        write_report({"error": str(exc), "kind": getattr(exc, "kind", "input")})
         return 2
     except Exception as exc:  # a write no module turned into a StorageError: still one line, not a traceback
         code = storage_errno(exc)

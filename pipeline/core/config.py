@@ -85,15 +85,24 @@ class Stage:
     train: str | None = None  # its prompts under data/ (GRPO kinds)
     held_out: str | None = None  # its held-out checks under data/ (GRPO kinds)
     key_params: tuple[str, ...] = ()  # what tells two runs of it apart in a list of run names
+    files: tuple[str, ...] = ()  # what a stage that does not train writes
 
     @property
     def trains(self) -> bool:
         return self.kind in ("sft", "grpo")
 
+    @property
+    def outs(self) -> tuple[str, ...]:
+        """What it writes, as dvc.yaml's outs (the default pipeline's and the recipe's): a training stage
+        its checkpoint and its series."""
+        return (f"{CHECKPOINT_DIR}/{self.name}", f"{PLOTS_DIR}/{self.name}.csv") if self.trains else self.files
+
 
 STAGE_TABLE = (
     Stage("prepare", "prepare", "GSM8K, the arithmetic curriculum, the tokenizer into data/",
-          key_params=("data.seed",)),
+          key_params=("data.seed",), files=tuple(f"{DATA_DIR}/{f}" for f in (
+              "gsm8k_train.jsonl", "gsm8k_val.jsonl", "gsm8k_test.jsonl", "arith_train.jsonl", "arith_eval.jsonl",
+              "tokenizer.json", "stats.json"))),
     Stage("sft", "sft", "supervised warm start into checkpoints/sft", key_params=("sft.steps", "sft.lr")),
     Stage("warmup", "grpo", "GRPO on the arithmetic curriculum into checkpoints/warmup", init="sft", reference="sft",
           train="arith_train.jsonl", held_out="arith_eval.jsonl",
@@ -104,7 +113,8 @@ STAGE_TABLE = (
           train="gsm8k_train.jsonl", held_out="gsm8k_val.jsonl",
           key_params=("grpo.iterations", "grpo.kl_coef", "grpo.lr", "grpo.group_size")),
     Stage("evaluate", "evaluate", "every checkpoint scored into metrics/, reports/ and plots/",
-          key_params=("evaluate.gsm8k_limit",)),
+          key_params=("evaluate.gsm8k_limit",), files=(REPORTS_DIR, f"{PLOTS_DIR}/accuracy.png",
+                                                      f"{PLOTS_DIR}/training_curves.png", f"{PLOTS_DIR}/accuracy.csv")),
 )
 STAGES = tuple(s.name for s in STAGE_TABLE)  # in pipeline order
 TRAINING_STAGES = tuple(s.name for s in STAGE_TABLE if s.trains)

@@ -4,6 +4,8 @@
 class InputError(ValueError):
     """Bad or missing input file/data; the message names the file (and line) and what is allowed."""
 
+    kind = "input"  # what a stage's report (pipeline.core.cli.write_report) calls it
+
 
 class CheckpointError(InputError):
     """A checkpoint that is missing, truncated, corrupt or does not match the config."""
@@ -15,3 +17,5 @@ class StorageError(InputError):
 
 class TrainingDivergedError(RuntimeError):
     """Too many consecutive non-finite steps; the last good checkpoint is left intact."""
+
+    kind = "diverged"

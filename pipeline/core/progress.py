@@ -62,3 +62,26 @@ def as_text(renderable: Any, width: int = 100) -> str:
     console = Console(file=io.StringIO(), width=width, record=True)
     console.print(renderable)
     return console.export_text().rstrip()
+
+
+# --------------------------------------------------------------------------- the command's report
+
+REPORT_ENV = "GRPO_STAGE_REPORT"  # a file the orchestrator names: what the command did, as JSON
+
+
+def write_report(report: dict) -> None:
+    """Tell whoever started this command (the flow's task, through $GRPO_STAGE_REPORT) what it did, as
+    JSON: ``{"stage": ..., "ran": true}`` or ``{"error": ..., "kind": "input" | "tracking" | "diverged"}``,
+    so that the orchestrator reads no English from the log. Written whole (a temporary file renamed
+    over it); a no-op when the variable is unset."""
+    import json
+    import os
+    import tempfile
+
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".report-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(report, f, default=str)
+    os.replace(tmp, path)

