@@ -218,6 +218,7 @@ def test_string_gold_is_read_not_a_type_error():
 
 @given(st.text())
 @settings(max_examples=500, deadline=None)
+@pytest.mark.slow
 def test_any_text_gives_none_or_finite(text):
     value = extract_answer(text)
     assert value is None or math.isfinite(value)

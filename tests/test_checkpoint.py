@@ -264,6 +264,7 @@ def _grpo_inputs(folder: Path, init: Policy) -> None:
 
 
 @pytest.mark.parametrize("saved_recompute", [False, True])
+@pytest.mark.slow
 def test_a_stage_takes_run_time_keys_from_its_run_and_the_architecture_from_its_checkpoint(
         saved_recompute, hf_dirs, tmp_path, monkeypatch):
     """`python -m pipeline grpo --set model.compile=true` (and gradient_checkpointing, param_dtype, dtype) is
@@ -289,6 +290,7 @@ def test_a_stage_takes_run_time_keys_from_its_run_and_the_architecture_from_its_
     assert {k: getattr(policy.model_cfg, k) for k in run_keys} == run_keys
 
 
+@pytest.mark.slow
 def test_load_policy_takes_the_runs_run_time_keys(gpt_policy, tmp_path):
     """A gpt checkpoint loaded for a run: the architecture is the checkpoint's, dropout and the rest the run's."""
     folder = save_policy(tmp_path / "sft", gpt_policy)

@@ -123,6 +123,7 @@ except StorageError as exc:
 """
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_during_a_checkpoint_write_is_one_line_and_keeps_the_last(gpt_policy, tmp_path):
     good = save_policy(tmp_path / "good", gpt_policy, extra_state={"v": 1})
     before = {p.name: p.read_bytes() for p in good.iterdir()}
@@ -151,6 +152,7 @@ def test_storage_errors_are_one_line_for_plain_files(tmp_path):
     assert issubclass(StorageError, Exception)
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_foreign_checkpoint_cheaply(tmp_path):
     """`{"model_type": "llama"}` as the warmup checkpoint once built a 7B Llama (27 GB, OOM-killed)."""
     warm = tmp_path / "checkpoints" / "warmup"

@@ -221,6 +221,7 @@ def test_cli_error_is_one_line_exit_2():
     assert "grpo.group_size" in res.stderr
 
 
+@pytest.mark.slow
 def test_a_cuda_device_this_machine_lacks_is_one_line_exit_2(tmp_path):
     """`model.device = cuda:N` with no such device: one line naming the key before the stage starts
     (was torch's traceback from the first `.to()`); cuda:63 is absent on any machine that runs this."""

@@ -160,6 +160,7 @@ def test_killed_control_resumes_bit_identically(workdir, monkeypatch, caplog):
     assert "ignoring resume state" in caplog.text and "resuming from" not in caplog.text
 
 
+@pytest.mark.slow
 def test_missing_sft_checkpoint_is_one_line_and_exit_2(workdir):
     shutil.rmtree("checkpoints/sft")
     with pytest.raises(InputError, match=r"checkpoints/sft: checkpoint not found.*the sft stage"):

@@ -163,6 +163,7 @@ def test_a_prepared_line_json_refuses_is_one_line_for_every_reader(tmp_path, lin
         assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_cli_on_a_prepared_row_with_a_string_gold_is_one_line_exit_2(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

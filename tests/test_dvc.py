@@ -383,6 +383,7 @@ def test_the_recipes_committed_results_are_those_of_its_params():
     assert all(c in row for c in recipe_row_cells(lora)), f"README LoRA row is not lora-r16's eval.json: {row}"
 
 
+@pytest.mark.slow
 def test_dvc_plots_draws_the_named_plots_only():
     """`dvc plots show` draws the top-level plots (one per signal, warmup and grpo as two lines) and the
     PNGs, not a raw plot per CSV: the series are outs (`cache: false`), not stage-level `plots:`."""

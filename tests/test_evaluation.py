@@ -203,6 +203,7 @@ def _predictions():
             for i, (t, g, s) in enumerate(zip(texts, golds, ev.score_completions(texts, golds)))]
 
 
+@pytest.mark.slow
 def test_outputs_are_byte_identical_on_rerun(tmp_path, monkeypatch):
     from pipeline.stages import evaluate as stage
 
@@ -366,6 +367,7 @@ class _RecordingLogger:
         self.tables.append((name, rows))
 
 
+@pytest.mark.slow
 def test_end_to_end_tiny_model_is_deterministic(tmp_path, monkeypatch):
     from pipeline.data.tokenizer import train_tokenizer
     from pipeline.model.policy import build_policy

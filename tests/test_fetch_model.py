@@ -73,6 +73,7 @@ def converted(tiny_wheel, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_cli_writes_a_plain_fp32_transformers_folder(converted):
     out, proc = converted
     assert proc.returncode == 0, proc.stderr
@@ -103,6 +104,7 @@ def test_cli_writes_a_plain_fp32_transformers_folder(converted):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
 
 
+@pytest.mark.slow
 def test_converted_weights_are_the_gguf_tensors_with_the_qk_permutation_undone(converted, tiny_wheel):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

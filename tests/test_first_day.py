@@ -93,6 +93,7 @@ def flow_cli(repo: Path, *args: str, timeout: int = 600) -> subprocess.Completed
                           capture_output=True, text=True, check=False, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_mistyped_gsm8k_path_through_the_flow_is_one_line_before_prefect_starts(tmp_path):
     """What `make run GSM8K=datasets/gsmk8` or `--set data.gsm8k_source=...` meets: one line naming the
     key, the close name and what DVC needs, exit 2, and no Prefect server started for it."""

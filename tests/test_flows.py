@@ -101,6 +101,7 @@ def test_flow_rejects_bad_config_before_any_task(tmp_path, harness, monkeypatch)
     assert task_runs_of(state.state_details.flow_run_id) == []
 
 
+@pytest.mark.slow
 def test_evaluate_flow_rejects_a_bad_checkpoint_before_prefect_starts():
     """`python -m flows.evaluate --checkpoint bogus`: one line naming evaluate.stages and the allowed
     names, exit 2, and no Prefect server or flow run (it once started both, then logged a traceback)."""
@@ -119,6 +120,7 @@ def test_evaluate_flow_rejects_a_bad_checkpoint_before_prefect_starts():
     assert "Traceback" not in res.stderr and "prefect" not in res.stderr.lower()
 
 
+@pytest.mark.slow
 def test_the_flow_graph_is_dvcs_graph():
     """UPSTREAM names, for each stage, exactly the stages dvc.yaml makes it depend on (DVC's own graph of
     the repo), and a run waits only on its nearest ones: warmup and control on sft alone."""
@@ -446,6 +448,7 @@ def test_a_recipe_folder_brings_its_own_stage_graph():
     assert set(graph) <= set(STAGE_TASKS)
 
 
+@pytest.mark.slow
 def test_recipe_flag_errors_are_one_line(tmp_path):
     for args, message in ((["--recipe", str(tmp_path)], "expected a folder with dvc.yaml and params.yaml"),
                           (["--recipe", "recipes/smollm2", "--set", "grpo.iterations=1"], "dvc exp run -S")):
@@ -455,6 +458,7 @@ def test_recipe_flag_errors_are_one_line(tmp_path):
         assert res.returncode == 2 and len(lines) == 1 and message in lines[0], lines
 
 
+@pytest.mark.slow
 def test_a_prefect_server_that_is_down_is_one_line_before_any_stage():
     """PREFECT_API_URL naming a port nobody listens on: one line naming the URL and what to do, exit 2
     (it was a 119-line traceback after Prefect's retries)."""
@@ -473,6 +477,7 @@ def test_a_prefect_server_that_is_down_is_one_line_before_any_stage():
     assert lines[0].startswith(f"error: PREFECT_API_URL={url}: no Prefect server answers (connection refused)"), lines
 
 
+@pytest.mark.slow
 def test_an_experiment_that_cannot_be_pushed_is_one_line(tmp_path):
     """A work pool's run pushes its experiment (`dvc exp push`); a remote it cannot reach is one line
     naming the experiment and the remote, not a traceback of DVC's."""
@@ -491,6 +496,7 @@ def test_an_experiment_that_cannot_be_pushed_is_one_line(tmp_path):
     (["--pool-type", "docker"], "--pool-type docker: give --image"),
     (["--cron", "every day"], "--cron 'every day'"),
 ])
+@pytest.mark.slow
 def test_deploy_refuses_a_pool_it_cannot_start_in_one_line(args, needle):
     res = subprocess.run([sys.executable, "-m", "flows.deploy", "--pool", "p", "--source", str(REPO), *args],
                          cwd=REPO, capture_output=True, text=True, timeout=120,

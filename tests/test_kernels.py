@@ -123,6 +123,7 @@ def _capability_after_pin(setting: str) -> tuple[str, str | None]:
 
 
 @pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
+@pytest.mark.slow
 def test_torch_computes_with_the_pinned_kernels():
     from pipeline.model.fast import packed
 
@@ -133,6 +134,7 @@ def test_torch_computes_with_the_pinned_kernels():
 
 
 @pytest.mark.skipif(not kernels.is_x86_64(), reason="the pins are x86-64 kernels")
+@pytest.mark.slow
 def test_the_cli_pins_before_the_stage_loads_torch_and_mlflow_records_it(tmp_path):
     """A stage run by `python -m pipeline` with the pin set to a kernel set below any x86-64 CPU's
     native one: torch in the stage's process reports scalar kernels, and the stage's MLflow run is tagged

@@ -30,6 +30,7 @@ def counted_compile(monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_a_lora_policy_runs_its_forward_through_torch_compile(hf_dirs, counted_compile):
     from pipeline.model.lora import add_lora
     from pipeline.model.policy import build_policy

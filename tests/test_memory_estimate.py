@@ -32,6 +32,7 @@ def test_parameter_count_is_the_models_own(hf_dirs):
     assert estimate("--size", "0.5B")["params"] == 494_032_768  # Qwen2.5-0.5B's published count
 
 
+@pytest.mark.slow
 def test_memory_options_lower_their_phase():
     base = estimate("--size", "1.5B")
     assert estimate("--size", "1.5B", "--set", "grpo.micro_batch_size=0")["update"] > base["update"]

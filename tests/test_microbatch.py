@@ -126,6 +126,7 @@ def test_micro_batches_cover_the_rows_once():
     assert micro_batches(slice(0, 6), 0) == [slice(0, 6)]
 
 
+@pytest.mark.slow
 def test_micro_batches_under_torch_compile_give_the_one_batch_gradient(setup):
     """`model.compile` with micro-batches: the runner is torch.compile's wrapper, which has no DDP
     `no_sync` (it once raised AttributeError on the first micro-batch). The wrapper is the real

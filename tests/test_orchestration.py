@@ -211,6 +211,7 @@ def test_params_file_other_than_params_yaml_becomes_overrides(tmp_path, monkeypa
     assert load_config(params).flat() == smoke.flat()
 
 
+@pytest.mark.slow
 def test_bad_cron_is_one_line_exit_2():
     proc = cli(REPO, "flows.serve", "--cron", "every day", timeout=120)
     assert proc.returncode == 2
@@ -327,6 +328,7 @@ def test_make_run_with_a_local_gsm8k_changes_no_tracked_file(tmp_path):
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
 
 
+@pytest.mark.slow
 def test_flow_cli_in_a_busy_workspace_is_one_line_exit_2(tmp_path):
     from pipeline.core.lock import workspace_lock
 

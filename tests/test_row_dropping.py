@@ -153,6 +153,7 @@ def _stops_for_group_ends(policy, prompts: list[str], G: int, n: int, seed: int)
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.slow
 def test_sampled_rollouts_drop_finished_groups_with_the_same_bits(any_policy, G, threads, monkeypatch):
     """Sampled rollouts drop the rows (G = 1) or whole groups (G > 1: the rows of a prompt share its
     keys) that have finished; each remaining row keeps its own uniform of the whole batch, so on CPU

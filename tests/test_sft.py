@@ -227,6 +227,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
     return [dict(zip(header.split(","), r.split(","))) for r in rows]
 
 
+@pytest.mark.slow
 def test_sft_loss_decreases_and_is_deterministic(workdir):
     from pipeline.train.checkpoint import load_extra_state, load_policy
 
@@ -249,6 +250,7 @@ def test_sft_loss_decreases_and_is_deterministic(workdir):
     assert [float(r["loss"]) for r in read_csv(Path("plots/sft.csv"))] == losses
 
 
+@pytest.mark.slow
 def test_resume_states_change_no_bit_of_the_run(workdir):
     """Writing a resumable state (weights, AdamW, RNGs, batch order) at every step changes nothing the run
     computes: it ends with the weights and series of a run that writes none (experiments/plateau.py relies on it)."""
@@ -261,6 +263,7 @@ def test_resume_states_change_no_bit_of_the_run(workdir):
     assert Path("plots/sft.csv").read_text() == series
 
 
+@pytest.mark.slow
 def test_killed_sft_resumes_bit_identically(workdir, monkeypatch, caplog):
     """A run stopped right after its resume state at step 12 and run again ends with the weights
     and series of an uninterrupted run, bit for bit (CPU): weights, AdamW moments, torch RNG and the

@@ -63,6 +63,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_tables_under_one_name_append_and_a_failing_call_stops_only_its_kind(store, capsys, tmp_path,
                                                                              monkeypatch):
     """MLflow lists every table name in a run tag capped at 8,000 characters (about 145 names), so the
@@ -104,6 +105,7 @@ def by_stage(all_runs) -> dict:
     return {r.data.tags["grpo.stage"]: r for r in all_runs if r.data.tags.get("grpo.role") == "stage"}
 
 
+@pytest.mark.slow
 def test_bare_stages_log_one_top_level_run_each(store, monkeypatch):
     """`dvc repro` by hand: no parent; each stage one run, tagged with its stage, DVC stage and experiment."""
     cfg = make_cfg(store, "bare")
@@ -183,6 +185,7 @@ def test_unreachable_server_fails_fast_with_one_line(monkeypatch):
     assert uri in msg and "--set tracking.enabled=false" in msg and "\n" not in msg
 
 
+@pytest.mark.slow
 def test_compare_cli_fails_fast_when_server_down(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(f"tracking:\n  uri: http://127.0.0.1:{free_port()}\n  experiment: x\n")

@@ -373,6 +373,7 @@ def test_dynamic_sampling_drops_zero_variance_groups(workdir, monkeypatch):
     assert informative_dynamic >= 0.75 and informative_dynamic > informative_static
 
 
+@pytest.mark.slow
 def test_samples_go_to_one_mlflow_table_per_stage(workdir):
     """Per-iteration sample completions append to samples/<stage>.json (an `iteration` column), not
     one table per iteration: MLflow's table-name tag holds about 145 names, after which every
@@ -460,6 +461,7 @@ def test_fsdp_is_refused_with_lora_or_compile_naming_the_key():
     assert smoke_cfg("grpo.parallel=fsdp", "warmup.parallel=fsdp").grpo.parallel == "fsdp"
 
 
+@pytest.mark.slow
 def test_bad_node_flags_are_one_line_each(workdir):
     """A node rank outside [0, nnodes) and an nproc that the node count does not divide: one line naming
     the flag or key and what is allowed, exit 2, before any process starts."""

@@ -132,6 +132,7 @@ def test_config_accepts_only_module_colon_function(spec):
 
 
 @pytest.mark.parametrize("spec", ["no_such_module_xyz:score", "os:system"])
+@pytest.mark.slow
 def test_cli_fails_fast_with_one_line_for_a_bad_verifier(tmp_path, spec):
     proc = subprocess.run([sys.executable, "-m", "pipeline", "grpo", "--params", str(ROOT / "configs" / "smoke.yaml"),
                            "--set", f"grpo.reward={spec}"], cwd=tmp_path, capture_output=True,

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_compiled_grads_reports_finite_equal_gradients():
     out = subprocess.run([sys.executable, "bench/compiled_grads.py", "gpt", "--backend", "eager", "--device", "cpu",
                           "--rows", "4", "--width", "40", "--start", "20"],
@@ -25,6 +26,7 @@ def test_compiled_grads_reports_finite_equal_gradients():
     assert res["max_logprob_diff"] < 1e-5 and res["max_rel_grad_diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_compiled_grads_refuses_padding_past_the_prompt():
     out = subprocess.run([sys.executable, "bench/compiled_grads.py", "gpt", "--rows", "8", "--start", "20"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -50,6 +52,7 @@ def test_compiled_grads_runs_a_transformers_model_with_either_mask(tmp_path):
         assert res["max_logprob_diff"] < 1e-5 and res["max_rel_grad_diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_compiled_grads_refuses_a_negative_pad_step():
     out = subprocess.run([sys.executable, "bench/compiled_grads.py", "gpt", "--pad-step", "-1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -8,11 +8,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_skipped_steps_are_printed_and_reported(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import grpo_iteration
@@ -44,6 +46,7 @@ def test_skipped_steps_are_printed_and_reported(monkeypatch, capsys):
     assert json.loads(out.strip().splitlines()[-1])["skipped_steps"] == 1
 
 
+@pytest.mark.slow
 def test_the_full_width_twin_is_timed_beside_the_iteration_and_the_lever_restored(monkeypatch, capsys):
     """--ab-full-width: a twin trainer runs its micro-batches at the batch's width, alternating with the
     iteration, which keeps cutting them to their own; the paired ratios are reported, and the lever is
