@@ -120,6 +120,7 @@ def test_control_refuses_model_params_that_disagree_with_the_sft_checkpoint(work
     assert not Path("checkpoints/control").exists()
 
 
+@pytest.mark.slow
 def test_killed_control_resumes_bit_identically(workdir, monkeypatch, caplog):
     """Stopped right after its resume state at step 2 and run again, the control ends with the
     weights and series of an uninterrupted run, bit for bit (CPU); new SFT weights void the state."""

@@ -118,6 +118,7 @@ def hf_stage_dir(tmp_path, monkeypatch, hf_dirs):
 
 @pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_an_hf_lora_iteration_with_gradient_checkpointing_stays_on_the_accelerator(hf_stage_dir, dtype):
     """The transformers backend with LoRA and gradient checkpointing, in fp32 and under bf16 autocast:
     the checkpointed blocks recompute under their forward's autocast (torch checks the recomputed

@@ -244,6 +244,7 @@ def test_accuracy_figure_draws_the_accuracy_csv():
     assert sorted(labels) == ["0.25", "0.38", "0.50", "0.75"]
 
 
+@pytest.mark.slow
 def test_training_curves_skip_missing_files_and_empty_cells(tmp_path):
     warm = tmp_path / "warmup.csv"
     warm.write_text("iteration,reward,informative,kl,clipfrac,accuracy\n"

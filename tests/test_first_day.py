@@ -125,6 +125,7 @@ def test_a_stages_bad_input_through_the_flow_ends_in_one_line_and_no_traceback(t
     assert not [e for row in listed for e in row.get("experiments") or []]
 
 
+@pytest.mark.slow
 def test_a_finished_run_ends_with_where_to_look(tmp_path, monkeypatch):
     """The commands that open the run in MLflow's and Prefect's UIs, on 127.0.0.1, with the database the
     run logged to (the repository's, also for an experiment run in a copy), and DVC's view of it."""
