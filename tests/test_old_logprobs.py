@@ -86,6 +86,7 @@ def test_the_stage_reuses_the_recorded_logprobs_only_in_fp32(grpo_workdir):
 def test_an_iteration_moves_the_weights_as_with_a_recomputed_pass(grpo_workdir, monkeypatch):
     """Four optimizer steps on one rollout batch (whose groups have reward variance, so the clipped
     surrogate is live), once with the recorded log-probs and once with the old pass recomputed."""
+    from pipeline.rl import update
     from pipeline.stages import grpo
 
     def parity(source):
@@ -93,7 +94,7 @@ def test_an_iteration_moves_the_weights_as_with_a_recomputed_pass(grpo_workdir, 
 
     moved = []
     for reuse in (True, False):
-        monkeypatch.setattr(grpo, "reuses_sampled_logprobs", lambda policy, reuse=reuse: reuse)
+        monkeypatch.setattr(update, "reuses_sampled_logprobs", lambda policy, reuse=reuse: reuse)
         run = _setup("warmup.minibatch_groups=1", "warmup.lr=1e-2", "warmup.dynamic_sampling=false")
         before = {k: v.clone() for k, v in run.policy.state_dict().items()}
         metrics, _ = grpo.grpo_iteration(run, grpo.TrainState(total_iters=1), parity)
