@@ -273,8 +273,8 @@ def run_dvc_stage(name: str, workdir: str = ".", env: dict[str, str] | None = No
     finally:
         with _running_lock:
             _running.pop(proc.pid, None)
-    report = _read_report(report_dir / "report.json")
-    shutil.rmtree(report_dir, ignore_errors=True)
+        report = _read_report(report_dir / "report.json")
+        shutil.rmtree(report_dir, ignore_errors=True)
     if proc.returncode != 0 and stopped_by() is not None:
         raise StageInterrupted(f"{name}: stopped by {signal.Signals(stopped_by()).name}{resume_note(name, workdir)}")
     if proc.returncode != 0:

@@ -75,7 +75,7 @@ class Stage:
     """One stage of the default pipeline: what it is and what it reads. Everything that lists stages
     (the CLI, the registry of stage functions, the GRPO stages' files, MLflow's training runs, the
     flow's summary, run names) derives from :data:`STAGE_TABLE`; dvc.yaml declares the same graph for
-    DVC (tests/test_orchestration.py compares them)."""
+    DVC (tests/test_dvc.py holds the two equal)."""
 
     name: str
     kind: str  # prepare, sft (sft and its control), grpo (warmup and grpo), evaluate
@@ -122,12 +122,14 @@ SFT_STAGES = tuple(s.name for s in STAGE_TABLE if s.kind == "sft")  # step-index
 GRPO_STAGES = tuple(s.name for s in STAGE_TABLE if s.kind == "grpo")
 
 
+STAGE_BY_NAME = {s.name: s for s in STAGE_TABLE}
+
+
 def stage_of(name: str) -> Stage:
     """The table's row of `name` (ValueError naming the stages for another name)."""
-    for row in STAGE_TABLE:
-        if row.name == name:
-            return row
-    raise ValueError(f"stage={name!r}; allowed: {', '.join(STAGES)}")
+    if name not in STAGE_BY_NAME:
+        raise ValueError(f"stage={name!r}; allowed: {', '.join(STAGES)}")
+    return STAGE_BY_NAME[name]
 
 
 @dataclass

@@ -64,7 +64,10 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1 or argv[:1] in (["-h"], ["--help"]):
         print("usage: python -m pipeline.core.config_render [PARAMS_FILE] > params.yaml", file=sys.stderr)
         return 2
-    return exit_status(lambda: print(render_params(load_config(argv[0]) if argv else Config()), end="") or 0)
+    def render() -> int:
+        print(render_params(load_config(argv[0]) if argv else Config()), end="")
+        return 0
+    return exit_status(render)
 
 
 if __name__ == "__main__":

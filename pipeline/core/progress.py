@@ -73,7 +73,9 @@ def write_report(report: dict) -> None:
     """Tell whoever started this command (the flow's task, through $GRPO_STAGE_REPORT) what it did, as
     JSON: ``{"stage": ..., "ran": true}`` or ``{"error": ..., "kind": "input" | "tracking" | "diverged"}``,
     so that the orchestrator reads no English from the log. Written whole (a temporary file renamed
-    over it); a no-op when the variable is unset."""
+    over it, by hand: core.files' atomic writers sit a layer above this module, which every command,
+    the recipe's model fetch included, imports without making it a DVC dependency); a no-op when the
+    variable is unset."""
     import json
     import os
     import tempfile

@@ -389,11 +389,11 @@ class PromptSource:
     def draw(self, state: Any) -> tuple[list[float] | None, dict[str, float], Scaffold | None]:
         """(each row's chance of being kept when drawn, that chance per level, the scaffold at this
         iteration) for `state` (with ``level_counts`` and ``iteration``)."""
+        scaffold = self.scaffold.at(state.iteration) if self.scaffold else None
         if self.levels is None:
-            return None, {}, self.scaffold.at(state.iteration) if self.scaffold else None
+            return None, {}, scaffold
         state.level_counts = state.level_counts or {str(v): [0.0, 0.0] for v in sorted(set(self.levels))}
-        keep, chance = level_keep(state.level_counts, self.levels, self.floor)
-        return keep, chance, self.scaffold.at(state.iteration) if self.scaffold else None
+        return *level_keep(state.level_counts, self.levels, self.floor), scaffold
 
     def observe(self, state: Any, groups: Groups, chance: dict[str, float]) -> dict[str, float]:
         """Count this iteration's groups into `state.level_counts`; the tracker's view of level sampling:

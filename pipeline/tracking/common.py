@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, STAGE_TABLE, Config
+from pipeline.core.config import CHECKPOINT_DIR, DATA_DIR, METRICS_DIR, PLOTS_DIR, REPORTS_DIR, STAGE_BY_NAME, STAGE_TABLE, Config
 from pipeline.core.errors import InputError
 from pipeline.core.kernels import cpu_fields, cpuinfo, mkl_branch
 
@@ -159,7 +159,7 @@ def stage_outs(stage: str, work: Path | None = None) -> list[Path]:
     """The paths ``stage`` writes (the stage table's ``outs``, which a test holds equal to dvc.yaml's;
     the library never opens dvc.yaml); none for a stage outside the table (a recipe's ``model``)."""
     work = work or Path(".")
-    row = next((s for s in STAGE_TABLE if s.name == stage), None)
+    row = STAGE_BY_NAME.get(stage)
     return [work / o for o in row.outs] if row else []
 
 
