@@ -300,10 +300,9 @@ class GRPOIterations:
         self.policy, self.g = self.run.policy, self.run.conf
 
     def iteration(self) -> tuple[dict, list]:
-        from pipeline.rewards.verifiers import reward_for
         from pipeline.stages import grpo
 
-        out = grpo.grpo_iteration(self.run, self.state, reward_for)
+        out = grpo.grpo_iteration(self.run, self.state)
         self.state.iteration += 1
         return out
 

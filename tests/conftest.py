@@ -220,7 +220,7 @@ def smoke_outputs() -> set[str]:
                                      "accuracy.png", "training_curves.png")}
     files |= {f"reports/predictions_{s}_{t}.csv" for s in ("sft", "control", "warmup", "grpo")
               for t in ("gsm8k", "arith")}
-    return files | {"metrics/eval.json", "metrics/train.json"}
+    return files | {"metrics/eval.json", "metrics/train.json", "data/tasks/index.json"}
 
 
 def task_runs_of(flow_run_id, expect=(), timeout: float = 60.0):
@@ -400,3 +400,14 @@ def kill_tree_at(cmd: list[str], cwd: Path, env: dict, marker: Path, timeout: fl
         p.kill()
     psutil.wait_procs(tree, timeout=30)
     proc.wait()
+
+
+def reward_of(fn):
+    """A number task's rewards with one part, `fn(completion, gold) -> float` per completion (a stand-in
+    reward with variance for a random policy), called through the TRL signature a user's function has."""
+    from pipeline.rewards.task_rewards import Checker, TaskRewards
+
+    def part(prompts, completions, gold, **columns):
+        return [fn(c, g) for c, g in zip(completions, gold)]
+
+    return TaskRewards("stand_in", Checker("number"), ["stand_in"], [1.0], {"stand_in": part})

@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import smoke_cfg, tiny_model_config
+from tests.conftest import reward_of, smoke_cfg, tiny_model_config
 
 REWARD_TOL = 0.25  # mean reward of a 3-iteration run, rewards in [0, 1]: sampling diverges under bf16
 KL_TOL = 0.02  # per-iteration KL to the reference (0 at the first iteration on both)
 
 
-def _parity_reward(source):
-    """A deterministic verifier stand-in with variance for a random policy: odd-length texts score 1."""
-    return lambda text, gold: float(len(text) % 2)
+_parity_reward = reward_of(lambda text, gold: float(len(text) % 2))  # odd-length texts score 1: variance
 
 
 def _run(workdir, dtype: str) -> list[dict[str, float]]:
     from pipeline.stages.grpo import run_grpo
 
-    run_grpo(smoke_cfg("warmup.iterations=3", f"model.dtype={dtype}"), "warmup", verifier=_parity_reward)
+    run_grpo(smoke_cfg("warmup.iterations=3", f"model.dtype={dtype}"), "warmup", rewards=_parity_reward)
     lines = (workdir / "plots" / "warmup.csv").read_text().splitlines()
     return [{k: float(v) for k, v in zip(lines[0].split(","), line.split(",")) if k in ("reward", "kl")}
             for line in lines[1:]]

@@ -14,15 +14,16 @@ PIPELINE = ROOT / "pipeline"
 
 # bottom to top; a module may import (at any depth of its code) only modules of lower layers
 LAYERS = [
-    ["core.errors", "core.config", "core.distributed", "core.progress", "rewards.parsing", "rewards.plugins.example",
+    ["core.errors", "core.config", "core.distributed", "core.progress", "rewards.parsing", "rewards.countdown", "data.countdown",
      "model.attention", "model.fast", "model.fast.packed", "model.hf_mask", "rl.masked"],
     ["core.config_loading", "core.files", "core.kernels", "core.lock", "core.summary",
      "rewards.verifiers", "data.tokenizer", "model.logprobs", "model.lora", "model.fast.fused_decode", "rl.loss"],
-    ["core.cli", "data.schema", "data.prompts", "model.gpt", "model.hf", "train.optim", "tracking.common"],
+    ["core.cli", "data.schema", "data.prompts", "model.gpt", "model.hf", "train.optim", "tracking.common",
+     "rewards.task_rewards"],
     ["core.config_render", "data.arithmetic", "data.sft_batches", "model.policy", "tracking.mlflow_client"],
     ["data.gsm8k", "rl.evaluation", "rl.rollout", "rl.update", "train.fsdp", "train.manifest", "tracking.mlflow_logger"],
-    ["train.checkpoint", "tracking.mlflow_models"],
-    ["train.state", "tracking.mlflow_backend"],
+    ["train.checkpoint", "tracking.mlflow_models", "data.sources"],
+    ["train.state", "tracking.mlflow_backend", "data.tasks"],
     ["tracking", "tracking.compare"],
     ["rl.generation", "rl.group_sampling", "train.resume"],
     ["rl.metrics"],
@@ -32,7 +33,7 @@ LAYERS = [
 ]
 # the top-level units, bottom to top: a unit imports only from itself and the units before it
 UNITS = ["core", "rewards", "data", "model", "rl", "train", "tracking", "stages"]
-PACKAGES = {"pipeline", "pipeline.core", "pipeline.data", "pipeline.model", "pipeline.rewards", "pipeline.rewards.plugins",
+PACKAGES = {"pipeline", "pipeline.core", "pipeline.data", "pipeline.model", "pipeline.rewards",
             "pipeline.rl", "pipeline.train"}  # no code
 
 

@@ -107,7 +107,7 @@ def test_bad_values_name_the_key(override, pattern):
 @pytest.mark.parametrize("override", [
     "grpo.lr=3e-4", "evaluate.stages=[sft, grpo]", "data.system_prompt='Be brief: {question} is it, ok'",
     "data.prompt_template=\"Q: {question}\"", "model.init=models/a-b/model", "grpo.dynamic_sampling=true",
-    "tracking.uri=http://127.0.0.1:5000", "grpo.reward=pipeline.rewards.plugins.example:last_integer",
+    "tracking.uri=http://127.0.0.1:5000", "grpo.task=countdown",
     "data.system_prompt=", "model.lora_targets=[q_proj,v_proj]", "sft.lr=1e-3",
     "data.system_prompt=007", "data.system_prompt=Ask: why",  # YAML would read 7 and a mapping: DVC reads text
 ])

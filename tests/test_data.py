@@ -318,10 +318,11 @@ def test_run_prepare_end_to_end_is_deterministic(tmp_path, monkeypatch):
                              "arith_train": 400, "arith_eval": 16}
     assert out["rejected"] == 0
     files = sorted(Path("data").iterdir())
-    assert [f.name for f in files] == sorted([f"{n}.jsonl" for n in SPLIT_FILES] + ["stats.json", "tokenizer.json"])
-    first = {f.name: f.read_bytes() for f in files}
+    assert [f.name for f in files] == sorted([f"{n}.jsonl" for n in SPLIT_FILES] + ["stats.json", "tasks", "tokenizer.json"])
+    first = {f.name: f.read_bytes() for f in files if f.is_file()}
     run_prepare(cfg)
-    assert {f.name: f.read_bytes() for f in sorted(Path("data").iterdir())} == first  # byte-identical
+    assert {f.name: f.read_bytes() for f in sorted(Path("data").iterdir()) if f.is_file()} == first  # byte-identical
+    assert json.loads(Path("data/tasks/index.json").read_text())["gsm8k"]["test"] == "gsm8k_test.jsonl"
     keys = ["id", "source", "question", "prompt", "gold", "solution", "level"]
     rows = {name: [json.loads(x) for x in first[f"{name}.jsonl"].decode().split("\n") if x] for name in SPLIT_FILES}
     for name in SPLIT_FILES:

@@ -124,8 +124,8 @@ ROW = {"id": "gsm8k-test-00000", "source": "gsm8k", "question": "q", "prompt": "
     ({"gold": "72"}, r"'gold' = '72' is not a finite number"),
     ({"gold": float("nan")}, r"'gold' = nan is not a finite number"),
     ({"gold": True}, r"'gold' = True is not a finite number"),
-    ({"source": "code"}, r"unknown 'source' 'code'; known: gsm8k, arith"),
-    ({"source": None}, r"unknown 'source' None"),
+    ({"source": None}, r"'source' = None is not a task name"),
+    ({"source": "mine", "gold": None}, r"'gold' = None is not an answer"),
     ({"prompt": 5}, r"missing or non-text 'prompt'"),
     ("drop-gold", r"missing 'gold'"),
 ])

@@ -74,11 +74,10 @@ def process_group():
 
 
 def _iteration(device, model=None) -> dict:
-    from pipeline.rewards.verifiers import reward_for
     from pipeline.stages.grpo import TrainState, grpo_iteration, setup
 
     run = setup(_cfg(str(device), model), "warmup")
-    metrics, _ = grpo_iteration(run, TrainState(total_iters=1), reward_for)
+    metrics, _ = grpo_iteration(run, TrainState(total_iters=1))
     return metrics
 
 

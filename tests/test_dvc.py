@@ -46,7 +46,8 @@ def spec() -> dict:
 def test_the_stage_table_and_dvc_yaml_declare_one_graph():
     """What each stage of pipeline.core.config.STAGE_TABLE starts from and reads is a dependency of
     that stage in dvc.yaml, and its checkpoint an output, so the table and DVC cannot drift apart."""
-    from pipeline.core.config import STAGE_TABLE
+    from pipeline.core.config import STAGE_TABLE, Config
+    from pipeline.data.tasks import task_files
 
     def paths(entries) -> set[str]:  # `- path` or `- path: {cache: false}`
         return {next(iter(e)) if isinstance(e, dict) else str(e) for e in entries or []}
@@ -54,8 +55,9 @@ def test_the_stage_table_and_dvc_yaml_declare_one_graph():
     stages = spec()["stages"]
     for row in STAGE_TABLE:
         deps, outs = set(stages[row.name]["deps"]), paths(stages[row.name].get("outs"))
-        reads = {f"checkpoints/{c}" for c in (row.init, row.reference) if c} | {
-            f"data/{f}" for f in (row.train, row.held_out) if f}
+        task = getattr(Config(), row.name).task if row.kind == "grpo" else None  # its default task's files
+        reads = {f"checkpoints/{c}" for c in (row.init, row.reference) if c} | (
+            {f"data/{task_files(task).train}", f"data/{task_files(task).val}", "data/tasks"} if task else set())
         assert reads <= deps, (row.name, reads - deps)
         assert outs == set(row.outs), (row.name, outs ^ set(row.outs))
     recipe = yaml.safe_load((REPO / "recipes" / "smollm2" / "dvc.yaml").read_text())["stages"]
@@ -72,7 +74,7 @@ def test_stages_commands_and_params_mirror_the_config():
         assert st["cmd"] == f"python -m pipeline {name}"
         assert {p.split(".")[0] for p in st["params"]} <= sections and "tracking" not in st["params"]
     # the hf backend's prepare uses the model's own tokenizer (and chat template): those two model keys
-    assert stages["prepare"]["params"] == ["data", "model.backend", "model.init"]
+    assert stages["prepare"]["params"] == ["data", "model.backend", "model.init", "tasks"]
     for name in ("sft", "warmup", "control", "grpo", "evaluate"):
         assert name in stages[name]["params"] or name == "evaluate" and "evaluate" in stages[name]["params"]
 
@@ -115,7 +117,7 @@ def test_deps_exist_or_come_from_upstream_and_outs_follow_the_layout():
     assert ev["metrics/eval.json"] == {"kind": "metrics", "cache": False}
     assert {"plots/accuracy.csv", "plots/accuracy.png", "plots/training_curves.png", "reports"} <= set(ev)
     assert {f"data/{f}" for f in ("gsm8k_train.jsonl", "gsm8k_val.jsonl", "gsm8k_test.jsonl", "arith_train.jsonl",
-                                  "arith_eval.jsonl", "tokenizer.json", "stats.json")} == set(_outs(stages["prepare"]))
+                                  "arith_eval.jsonl", "tokenizer.json", "stats.json", "tasks")} == set(_outs(stages["prepare"]))
     assert ev["metrics/train.json"] == {"kind": "metrics", "cache": False}
     top = {name: p for item in spec()["plots"] if isinstance(item, dict) for name, p in item.items()}
     for signal in ("reward", "kl", "informative", "clipfrac"):  # one plot per signal, against the iteration
@@ -260,7 +262,7 @@ def test_repro_prepare_then_nothing_to_do(tmp_path):
     assert ran(first) == ["prepare"]
     assert (repo / "data" / "tokenizer.json").is_file() and (repo / "dvc.lock").is_file()
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["prepare"]
-    assert set(lock["params"]["params.yaml"]) == {"data", "model.backend", "model.init"}
+    assert set(lock["params"]["params.yaml"]) == {"data", "model.backend", "model.init", "tasks"}
     # importing the pipeline writes bytecode next to the code deps: it must not invalidate the stage
     subprocess.run([sys.executable, "-c", "import pipeline.stages.prepare"], cwd=repo, env=DVC_ENV, check=True)
     second = sh(repo, "dvc", "repro", "prepare")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pipeline.core import files
 from pipeline.core.config import Config
 from pipeline.core.errors import InputError
+from pipeline.rewards.task_rewards import Checker, TaskRewards
 from pipeline.rl import evaluation as ev
 
 # --------------------------------------------------------------------------- scoring
@@ -38,7 +39,7 @@ HAND_MADE = [  # (completion, gold, correct, well_formed)
 def test_scoring_hand_made_completions():
     texts = [t for t, *_ in HAND_MADE]
     golds = [g for _, g, *_ in HAND_MADE]
-    scored = ev.score_completions(texts, golds)
+    scored = ev.score_completions(texts, [{"gold": g} for g in golds])
     assert [s["correct"] for s in scored] == [c for *_, c, _ in HAND_MADE]
     assert [s["well_formed"] for s in scored] == [w for *_, w in HAND_MADE]
     assert ev.accuracy(scored) == 5 / 8
@@ -50,7 +51,7 @@ def test_scoring_hand_made_completions():
 
 def test_scoring_length_mismatch_and_empty():
     with pytest.raises(ValueError):
-        ev.score_completions(["a"], [1.0, 2.0])
+        ev.score_completions(["a"], [{"gold": 1.0}, {"gold": 2.0}])
     assert ev.accuracy([]) == 0.0 and ev.format_rate([]) == 0.0
 
 
@@ -170,8 +171,12 @@ def test_maj_correct_and_sample_stats():
     assert ev.maj_correct([1.0, 2.0, 2.0], 2.0) and not ev.maj_correct([1.0, 2.0, 1.0], 2.0)
     assert not ev.maj_correct([None, None], 0.0)
     texts = ["<answer>4</answer>", "<answer>5</answer>", "<answer>5</answer>", "no idea"]
-    s = ev.sample_stats(texts, 4.0, k=4)
+    s = ev.sample_stats(texts, {"gold": 4.0}, k=4)
     assert s == {"samples_correct": 1, "pass_at_k": 1.0, "maj_answer": 5.0, "maj_correct": False}
+    text = TaskRewards("t", Checker("text"), ["correct"], [1.0])  # a text task votes on its normalised answers
+    s = ev.sample_stats(["<answer>Paris</answer>", "<answer>paris.</answer>", "<answer>Rome</answer>"],
+                        {"gold": "Paris"}, k=3, rewards=text)
+    assert s == {"samples_correct": 2, "pass_at_k": 1.0, "maj_answer": "paris", "maj_correct": True}
 
 
 # --------------------------------------------------------------------------- files
@@ -200,7 +205,7 @@ def _predictions():
     golds = [g for _, g, *_ in HAND_MADE]
     return [{"id": f"q{i}", "question": f"question {i}, with \"quotes\"\nand a newline", "gold": g,
              "completion": t, **s, "response_length": len(t), "truncated": i % 3 == 0}
-            for i, (t, g, s) in enumerate(zip(texts, golds, ev.score_completions(texts, golds)))]
+            for i, (t, g, s) in enumerate(zip(texts, golds, ev.score_completions(texts, [{"gold": g} for g in golds])))]
 
 
 @pytest.mark.slow

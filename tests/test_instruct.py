@@ -130,7 +130,6 @@ def test_instruct_config_end_to_end_on_cpu(tmp_path, qwen2_dir):
     assert set(metrics) == {"sft", "grpo"}
     AutoModelForCausalLM.from_pretrained(work / "checkpoints" / "grpo")
 
-    from pipeline.rewards.verifiers import reward_for
     from pipeline.rl.group_sampling import sample_groups
     from pipeline.stages.grpo import setup
 
@@ -138,7 +137,7 @@ def test_instruct_config_end_to_end_on_cpu(tmp_path, qwen2_dir):
     try:
         cfg = load_config(ROOT / "configs" / "instruct.yaml", overrides)
         run = setup(cfg, "grpo")
-        groups = sample_groups(run.policy, run.train_rows, (0, 0), run.conf, reward_for, run.generator)
+        groups = sample_groups(run.policy, run.train_rows, (0, 0), run.conf, run.rewards, run.generator)
     finally:
         os.chdir(ROOT)
     ro, tok = groups.rollout, run.policy.tokenizer

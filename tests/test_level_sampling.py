@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pipeline.core.errors import InputError
 from pipeline.rl.group_sampling import (LEVEL_DECAY, count_levels, level_keep, level_rates, next_prompts, next_shard,
                                      row_levels)
-from tests.conftest import smoke_cfg, weights
+from tests.conftest import reward_of, smoke_cfg, weights
 
 
 @pytest.fixture
@@ -182,11 +182,9 @@ def test_level_floor_out_of_range_is_refused():
 
 # --------------------------------------------------------------------------- in the stage
 
-def _large_gold_parity(source):
-    """A verifier with variance on large answers only: |gold| < 20 (every level-1 problem, a few of
-    level 2) always scores 1, so those groups are never informative; larger ones score by the parity
-    of the completion's length."""
-    return lambda text, gold: 1.0 if abs(float(gold)) < 20 else float(len(text) % 2)
+# A reward with variance on large answers only: |gold| < 20 (every level-1 problem, a few of level 2) always
+# scores 1, so those groups are never informative; larger ones score by the parity of the completion's length.
+_large_gold_parity = reward_of(lambda text, gold: 1.0 if abs(float(gold)) < 20 else float(len(text) % 2))
 
 
 def test_the_stage_draws_from_the_informative_level(workdir, monkeypatch):
@@ -210,10 +208,10 @@ def test_the_stage_draws_from_the_informative_level(workdir, monkeypatch):
         cfg = smoke_cfg(f"warmup.iterations={iters}", f"warmup.level_sampling={mode}", "warmup.level_floor=0.05",
                         "warmup.dynamic_sampling=true", "warmup.prompts_per_iter=8", "warmup.group_size=4",
                         "warmup.rollout_len=8", "warmup.eval_every=0")
-        run = grpo_stage.setup(cfg, "warmup")
+        run = grpo_stage.setup(cfg, "warmup", _large_gold_parity)
         state, metrics = grpo_stage.TrainState(total_iters=iters), {}
         for _ in range(iters):
-            metrics, _ = grpo_stage.grpo_iteration(run, state, _large_gold_parity)
+            metrics, _ = grpo_stage.grpo_iteration(run, state)
             state.iteration += 1
         levels = [r["level"] for r in run.train_rows]
         late = [levels[i] for idx in drawn[1:] for i in idx]  # after the first iteration's counts
@@ -243,7 +241,7 @@ def test_a_killed_warmup_resumes_its_level_counts_bit_identically(workdir, monke
                     "warmup.level_floor=0.05", "warmup.dynamic_sampling=true", "warmup.prompts_per_iter=8",
                     "warmup.group_size=4",
                     "warmup.rollout_len=8", "warmup.eval_every=0")
-    grpo_stage.run_grpo(cfg, "warmup", verifier=_large_gold_parity)
+    grpo_stage.run_grpo(cfg, "warmup", rewards=_large_gold_parity)
     whole, series = weights(Path("checkpoints/warmup")), Path("plots/warmup.csv").read_text()
 
     class Killed(Exception):
@@ -258,10 +256,10 @@ def test_a_killed_warmup_resumes_its_level_counts_bit_identically(workdir, monke
 
     monkeypatch.setattr(grpo_stage, "save_resume", save_then_die)
     with pytest.raises(Killed):
-        grpo_stage.run_grpo(cfg, "warmup", verifier=_large_gold_parity)
+        grpo_stage.run_grpo(cfg, "warmup", rewards=_large_gold_parity)
     monkeypatch.setattr(grpo_stage, "save_resume", real)
     with caplog.at_level("INFO", logger="pipeline"):
-        grpo_stage.run_grpo(cfg, "warmup", verifier=_large_gold_parity)
+        grpo_stage.run_grpo(cfg, "warmup", rewards=_large_gold_parity)
     assert "resuming from checkpoints/warmup.resume/step_000002" in caplog.text
     again = weights(Path("checkpoints/warmup"))
     assert all(torch.equal(again[k], whole[k]) for k in whole)

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import tiny_model_config
+from tests.conftest import reward_of, tiny_model_config
 
 pytest.importorskip("peft")
 
@@ -173,7 +173,7 @@ def test_grpo_stage_with_lora_writes_a_merged_checkpoint(hf_dirs, tmp_path, monk
                             "grpo": {"iterations": 2, "prompts_per_iter": 2, "group_size": 2, "rollout_len": 6,
                                      "eval_every": 0, "save_every": 1, "lr": 1e-2, "kl_coef": 0.1},
                             "tracking": {"enabled": False}})
-    summary = run_grpo(cfg, "grpo", verifier=lambda source: lambda text, gold: float(len(text) % 2))  # has variance
+    summary = run_grpo(cfg, "grpo", rewards=reward_of(lambda text, gold: float(len(text) % 2)))  # has variance
     assert summary["iterations"] == 2
     before = load_file(tmp_path / "checkpoints" / "warmup" / "model.safetensors")
     after = load_file(tmp_path / "checkpoints" / "grpo" / "model.safetensors")
@@ -229,8 +229,8 @@ def test_grpo_runs_a_lora_policy_with_dropout_off_and_its_reference_is_the_base(
                             "grpo": {"iterations": 1, "prompts_per_iter": 2, "group_size": 2, "rollout_len": 6,
                                      "eval_every": 0, "lr": 1e-2, "kl_coef": 0.1},
                             "tracking": {"enabled": False}})
-    run = setup(cfg, "grpo")
-    grpo_iteration(run, TrainState(total_iters=1), lambda source: lambda text, gold: float(len(text) % 2))
+    run = setup(cfg, "grpo", reward_of(lambda text, gold: float(len(text) % 2)))
+    grpo_iteration(run, TrainState(total_iters=1))
     assert not any(m.training for m in run.policy.module.modules())
     ro = rollout_prompts(run.policy, [r["prompt"] for r in _rows(2)], 2, 6, generator=torch.Generator().manual_seed(0))
     assert not any(m.training for m in run.policy.module.modules())

@@ -18,7 +18,7 @@ import torch
 from pipeline.model import fast
 from pipeline.rl.group_sampling import select_rollouts
 from pipeline.rl.rollout import rollout_prompts
-from tests.conftest import smoke_cfg
+from tests.conftest import reward_of, smoke_cfg
 
 PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "Question: What is 12 - 5?\nAnswer:"]
 LONGER = ["Question: What is 31 + 47 and then 5?\nAnswer:"]
@@ -89,15 +89,15 @@ def test_an_iteration_moves_the_weights_as_with_a_recomputed_pass(grpo_workdir, 
     from pipeline.rl import update
     from pipeline.stages import grpo
 
-    def parity(source):
-        return lambda text, gold: float(len(text) % 2)
+    parity = reward_of(lambda text, gold: float(len(text) % 2))
 
     moved = []
     for reuse in (True, False):
         monkeypatch.setattr(update, "reuses_sampled_logprobs", lambda policy, reuse=reuse: reuse)
         run = _setup("warmup.minibatch_groups=1", "warmup.lr=1e-2", "warmup.dynamic_sampling=false")
         before = {k: v.clone() for k, v in run.policy.state_dict().items()}
-        metrics, _ = grpo.grpo_iteration(run, grpo.TrainState(total_iters=1), parity)
+        run.rewards = parity
+        metrics, _ = grpo.grpo_iteration(run, grpo.TrainState(total_iters=1))
         assert metrics["informative"] > 0
         moved.append({k: v - before[k] for k, v in run.policy.state_dict().items()})
     assert max(float(d.abs().max()) for d in moved[0].values()) > 1e-2  # the steps really moved the weights

@@ -220,7 +220,7 @@ def test_the_stage_rolls_out_the_examples_then_fades_them_out(workdir, monkeypat
             assert p.endswith(row["prompt"]) and len(p) > len(row["prompt"]) + len(shots[0][1]) + len(shots[1][1])
     assert all(p in by_prompt for p in last)
     series = pd.read_csv("plots/warmup.csv")
-    assert list(series.columns[-5:]) == grpo_stage.FEWSHOT_COLUMNS
+    assert list(series.columns[-7:-2]) == grpo_stage.FEWSHOT_COLUMNS  # then the reward parts
     shown_then = [sum(p in scaffolded for p in s) / len(s) for s in seen]  # over every group rolled out
     assert list(series["fewshot_share"]) == pytest.approx(shown_then)
     assert shown_then[0] >= 0.75 and shown_then[2] == 0.0
@@ -273,7 +273,7 @@ def test_without_examples_the_series_keeps_its_columns(workdir):
     import pipeline.stages.grpo as grpo_stage
 
     grpo_stage.run_grpo(smoke_cfg("warmup.iterations=1", "warmup.eval_every=0", "warmup.rollout_len=8"), "warmup")
-    assert list(pd.read_csv("plots/warmup.csv").columns) == grpo_stage.CSV_COLUMNS
+    assert list(pd.read_csv("plots/warmup.csv").columns) == grpo_stage.CSV_COLUMNS + ["reward/correct", "reward/format"]
 
 
 @pytest.mark.parametrize("mode", ["prompt", "guide"])

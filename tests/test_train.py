@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from tests.conftest import GSM8K, kill_tree_at, smoke_cfg, weights
+from tests.conftest import GSM8K, kill_tree_at, reward_of, smoke_cfg, weights
 from tests.conftest import REPO as ROOT
 
 
@@ -30,9 +30,7 @@ def workdir(grpo_workdir):
 
 
 
-def _parity_reward(source):
-    """A deterministic verifier stand-in with variance for a random policy: odd-length texts score 1."""
-    return lambda text, gold: float(len(text) % 2)
+_parity_reward = reward_of(lambda text, gold: float(len(text) % 2))  # odd-length texts score 1: variance
 
 
 def run_warmup(cfg, **kw):
@@ -44,7 +42,7 @@ def run_warmup(cfg, **kw):
 def test_warmup_runs_metrics_finite_policy_changes_reference_frozen(workdir):
     before = weights(workdir / "checkpoints" / "sft")
     # a random policy never answers right: all groups would be uninformative and nothing would move
-    summary = run_warmup(smoke_cfg("warmup.iterations=3"), verifier=_parity_reward)
+    summary = run_warmup(smoke_cfg("warmup.iterations=3"), rewards=_parity_reward)
     assert summary["iterations"] == 3
     after = weights(workdir / "checkpoints" / "warmup")
     assert any(not torch.equal(before[k], after[k]) for k in before), "the policy did not change"
@@ -116,7 +114,7 @@ def test_minibatches_hold_whole_groups(workdir, monkeypatch):
     monkeypatch.setattr(grpo, "group_advantages", spy_adv)
     cfg = smoke_cfg("warmup.iterations=1", "warmup.prompts_per_iter=4", "warmup.minibatch_groups=1",
                     "warmup.grpo_epochs=2")
-    run_warmup(cfg, verifier=_parity_reward)
+    run_warmup(cfg, rewards=_parity_reward)
     G = cfg.warmup.group_size
     assert len(computed) == 1 and computed[0].numel() == 4 * G
     chunks = [computed[0][g * G:(g + 1) * G] for g in range(4)]
@@ -143,7 +141,7 @@ def test_all_wrong_groups_give_zero_policy_gradient(workdir, monkeypatch):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
     summary = run_warmup(smoke_cfg("warmup.iterations=2", "warmup.kl_coef=0"),
-                         verifier=lambda source: (lambda text, gold: 0.0))
+                         rewards=reward_of(lambda text, gold: 0.0))
     assert grads == [0.0, 0.0]
     assert summary["reward_last"] == 0.0
 
@@ -347,23 +345,23 @@ def _csv_rows(path: Path) -> list[dict[str, str]]:
 
 def test_dynamic_sampling_drops_zero_variance_groups(workdir, monkeypatch):
     """Groups whose gold is odd always score 0 (no variance): DAPO dynamic sampling replaces them."""
-    def verifier(source):
-        return lambda text, gold: float(len(text) % 2) if int(gold) % 2 == 0 else 0.0
+    verifier = reward_of(lambda text, gold: float(len(text) % 2) if int(gold) % 2 == 0 else 0.0)
 
     cfg = smoke_cfg("warmup.iterations=2", "warmup.dynamic_sampling=true", "warmup.max_sampling_rounds=8",
                     "warmup.prompts_per_iter=4", "warmup.eval_every=0")
-    run_warmup(cfg, verifier=verifier)
+    run_warmup(cfg, rewards=verifier)
     rows = _csv_rows(workdir / "plots" / "warmup.csv")
     assert sum(int(r["dropped_groups"]) for r in rows) > 0
     informative_dynamic = sum(float(r["informative"]) for r in rows) / len(rows)
     for r in rows:  # the *_sampled columns count every group rolled out, the dropped (zero-variance) ones too
         kept, dropped = 4, int(r["dropped_groups"])
-        assert float(r["informative_sampled"]) == pytest.approx(float(r["informative"]) * kept / (kept + dropped))
+        assert float(r["informative_sampled"]) == pytest.approx(float(r["informative"]) * kept / (kept + dropped),
+                                                                rel=1e-5)  # the CSV keeps 6 significant digits
         assert 0.0 <= float(r["reward_sampled"]) <= 1.0
 
     # without it, the same rewards leave the odd-gold groups (about half) in the batch
     run_warmup(dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, dynamic_sampling=False)),
-               verifier=verifier)
+               rewards=verifier)
     rows = _csv_rows(workdir / "plots" / "warmup.csv")
     assert all(r["dropped_groups"] == "0" for r in rows)
     for r in rows:  # nothing dropped: the sampled batch is the trained batch

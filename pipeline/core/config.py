@@ -24,10 +24,15 @@ class ConfigError(ValueError):
     """A user's configuration mistake; the message is one line and names the key."""
 
 
+# The instruction names the tags closing one first, never a block such as `<answer>N</answer>`: a model
+# that copies the instruction writes nothing a verifier reads as an answer (no `<answer>` before a
+# `</answer>`), whatever the answer type (tests/test_own_task.py).
 DEFAULT_TEMPLATE = (
-    "Solve the problem. Think step by step, then give the final answer as <answer>N</answer>.\n"
+    "Solve the problem. Think step by step, then give the final answer alone in tags (</answer> closes <answer>).\n"
     "Question: {question}\nAnswer:"
 )
+BUILTIN_TASKS = ("gsm8k", "arith", "countdown")  # tasks the prepare stage makes itself (pipeline/data/tasks.py)
+BUILTIN_REWARDS = ("correct", "format", "length")  # pipeline/rewards/task_rewards.py
 
 def _yaml_float(value: Any) -> Any:
     """YAML 1.1 reads ``1e-3`` as a string; a float key takes it as the number it means."""
@@ -55,8 +60,13 @@ PosFloat = Annotated[Float, Field(gt=0)]
 Fraction = Annotated[Float, Field(ge=0, le=1)]
 Probability = Annotated[Float, Field(gt=0, le=1)]
 EvalStage = Literal["sft", "control", "warmup", "grpo"]  # the training stages whose checkpoint evaluate scores
-RewardSpec = Annotated[str, Field(pattern=r"^([A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*)?$"),
-                       allowed("empty or module:function (e.g. mypkg.rewards:score)")]
+_IMPORT_PATH = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+RewardName = Annotated[str, Field(pattern=rf"^(correct|format|length|{_IMPORT_PATH})$"),
+                       allowed("correct, format, length or module:function (e.g. mypkg.rewards:brevity)")]
+AnswerType = Annotated[str, Field(pattern=rf"^(number|text|choice|expression|{_IMPORT_PATH})$"),
+                       allowed("number, text, choice, expression or module:function (a checker of your own)")]
+TaskName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,39}$"),
+                     allowed("a task name: lowercase letters, digits and _, starting with a letter")]
 
 SECTION = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 dataclass = pydantic_dataclass(config=SECTION)  # every section: validated on construction
@@ -82,8 +92,6 @@ class Stage:
     what: str  # one line: what it does and writes
     init: str | None = None  # the checkpoint it starts from (None: a fresh policy or no policy)
     reference: str | None = None  # the frozen KL reference (GRPO kinds)
-    train: str | None = None  # its prompts under data/ (GRPO kinds)
-    held_out: str | None = None  # its held-out checks under data/ (GRPO kinds)
     key_params: tuple[str, ...] = ()  # what tells two runs of it apart in a list of run names
     files: tuple[str, ...] = ()  # what a stage that does not train writes
 
@@ -99,18 +107,16 @@ class Stage:
 
 
 STAGE_TABLE = (
-    Stage("prepare", "prepare", "GSM8K, the arithmetic curriculum, the tokenizer into data/",
+    Stage("prepare", "prepare", "GSM8K, the arithmetic curriculum, your tasks, the tokenizer into data/",
           key_params=("data.seed",), files=tuple(f"{DATA_DIR}/{f}" for f in (
               "gsm8k_train.jsonl", "gsm8k_val.jsonl", "gsm8k_test.jsonl", "arith_train.jsonl", "arith_eval.jsonl",
-              "tokenizer.json", "stats.json"))),
+              "tokenizer.json", "stats.json", "tasks"))),
     Stage("sft", "sft", "supervised warm start into checkpoints/sft", key_params=("sft.steps", "sft.lr")),
-    Stage("warmup", "grpo", "GRPO on the arithmetic curriculum into checkpoints/warmup", init="sft", reference="sft",
-          train="arith_train.jsonl", held_out="arith_eval.jsonl",
-          key_params=("warmup.iterations", "warmup.kl_coef", "warmup.lr")),
+    Stage("warmup", "grpo", "GRPO on its task (the arithmetic curriculum) into checkpoints/warmup", init="sft",
+          reference="sft", key_params=("warmup.iterations", "warmup.kl_coef", "warmup.lr")),
     Stage("control", "sft", "SFT trained further, the equal-compute control of the warmup, into checkpoints/control",
           init="sft", key_params=("control.steps", "control.lr")),
-    Stage("grpo", "grpo", "GRPO on GSM8K into checkpoints/grpo", init="warmup", reference="sft",
-          train="gsm8k_train.jsonl", held_out="gsm8k_val.jsonl",
+    Stage("grpo", "grpo", "GRPO on its task (GSM8K) into checkpoints/grpo", init="warmup", reference="sft",
           key_params=("grpo.iterations", "grpo.kl_coef", "grpo.lr", "grpo.group_size")),
     Stage("evaluate", "evaluate", "every checkpoint scored into metrics/, reports/ and plots/",
           key_params=("evaluate.gsm8k_limit",), files=(REPORTS_DIR, f"{PLOTS_DIR}/accuracy.png",
@@ -154,12 +160,19 @@ class DataConfig:
     arith_solution: Literal["digits", "lines"] = "digits"
     """Worked arithmetic solutions: column by column with carries (`digits`) or one line per operation."""
     prompt_template: Annotated[str, Field(pattern=r"\{question\}"), allowed("a string containing {question}")] = DEFAULT_TEMPLATE
-    """The one prompt template for every task; must contain `{question}`."""
+    """The prompt template of the built-in gsm8k and arith tasks (a task of `tasks` has its own `prompt`); must
+    contain `{question}`."""
     chat_template: bool = False
     """Render each prompt with the model tokenizer's chat template (hf backend): `system_prompt`, then the
     filled `prompt_template` (the question and the answer-format instruction) as the user turn."""
     system_prompt: str = ""
     """System turn of the chat template; empty: none."""
+    countdown_train_size: Annotated[Int, Field(ge=1, le=1_000_000)] = 5000
+    """Countdown problems in the training split (made only when a stage uses the countdown task)."""
+    countdown_eval_size: Annotated[Int, Field(ge=1, le=100_000)] = 200
+    """Countdown problems in each of the validation and test splits."""
+    countdown_numbers: Annotated[Int, Field(ge=2, le=6)] = 3
+    """Numbers given per countdown problem, each to be used exactly once."""
     vocab_size: Annotated[Int, Field(ge=300, le=1_000_000)] = 2048
     """Vocabulary size of the byte-level BPE trained for the from-scratch GPT."""
     seed: Int = 0
@@ -338,9 +351,9 @@ class GRPOConfig:
     """Top-k sampling; 0 disables it."""
     rollout_len: PosInt = 128
     """Maximum new tokens per completion."""
-    reward: RewardSpec = ""
-    """Verifier: empty = the built-in one of each row's source (gsm8k, arith); `module:function` = a user's
-    own `(completion, gold) -> float` in a module under pipeline/rewards/plugins/ (a DVC dep), checked at start."""
+    task: TaskName = "gsm8k"
+    """The task trained on: its train split gives the prompts, its rewards (`tasks.<name>.rewards`) score
+    them, its validation split the held-out checks; a built-in (gsm8k, arith, countdown) or one of `tasks`."""
     fewshot_examples: Annotated[Int, Field(ge=0, le=16)] = 0
     """Worked examples shown before a training prompt's question: the first N rows of the stage's training
     file, rendered as evaluate's few-shot entries are (its `fewshot_examples` is set apart); a scaffold for a
@@ -417,7 +430,7 @@ class WarmupConfig(GRPOConfig):
 # docs/results/learning.md measures; the earlier recipe's 0.7 was not compared with it on this start).
 # 185 iterations take the control's wall time (the two run side by side, one core each).
 WARMUP_DEFAULTS: dict[str, Any] = dict(
-    iterations=185, prompts_per_iter=16, minibatch_groups=4, lr=1e-4, lr_schedule="cosine", warmup_iters=10,
+    task="arith", iterations=185, prompts_per_iter=16, minibatch_groups=4, lr=1e-4, lr_schedule="cosine", warmup_iters=10,
     dynamic_sampling=True, rollout_len=72, eval_every=50, eval_samples=200, save_every=10,
 )
 
@@ -439,15 +452,15 @@ class EvalConfig:
     less room in the context; a row with none is not scored, counted as `<task>_unscorable`)."""
     samples: Annotated[Int, Field(ge=0, le=1024)] = 8
     """k for pass@k / maj@k / pass@1 (mean sample accuracy); 0 disables sampling metrics."""
-    sample_tasks: list[Literal["gsm8k", "arith"]] = field(default_factory=lambda: ["arith"])
-    """Tasks that get the k samples (`gsm8k`, `arith`); GSM8K sampling costs k greedy passes."""
+    tasks: Annotated[list[TaskName], Field(min_length=1)] = field(default_factory=lambda: ["gsm8k", "arith"])
+    """Tasks scored, each on its test split (metrics `<task>_accuracy`, `<task>_format_rate`): built-ins
+    (gsm8k, arith, countdown) or names of `tasks`."""
+    sample_tasks: list[TaskName] = field(default_factory=lambda: ["arith"])
+    """Tasks that get the k samples, where `tasks` scores them; GSM8K sampling costs k greedy passes."""
     temperature: PosFloat = 1.0
     """Sampling temperature for pass@k / maj@k."""
     top_p: Probability = 1.0
     """Nucleus threshold for pass@k / maj@k."""
-    reward: RewardSpec = ""
-    """Verifier: empty = the built-in one of each row's source; `module:function` = a user's own
-    `(completion, gold) -> float` under pipeline/rewards/plugins/ (correct when it scores at least 1)."""
     seed: Int = 0
     """Seed for the sampling metrics."""
     jobs: NonNegInt = 0
@@ -462,6 +475,66 @@ class EvalConfig:
     per_level: bool = True
     """Also report held-out arithmetic accuracy per curriculum level (`arith_level<N>_accuracy`, with its
     95% interval), in metrics/eval.json and as a bar per level in plots/accuracy.*."""
+
+
+@dataclass
+class FieldsConfig:
+    """which columns of a task's source hold what"""
+
+    question: Annotated[str, Field(min_length=1)] = "question"
+    """The column of the question (put into the task's `prompt` at `{question}`)."""
+    answer: Annotated[str, Field(min_length=1)] = "answer"
+    """The column of the answer the verifier checks against (for `number`, a number or a text ending in one,
+    GSM8K's `#### 42` included)."""
+    id: str = ""
+    """The column of a row's id; empty: `<task>-<split>-<row number>`."""
+    choices: str = ""
+    """`choice` answers: the column of the options (a list, shown lettered A, B, ... after the question);
+    empty: the options are in the question and the answer is a letter."""
+    numbers: str = ""
+    """`expression` answers: the column of the numbers to use (the answer column holds the target)."""
+
+
+@dataclass
+class TaskConfig:
+    """one task: where its data is, how it is asked, how an answer is checked and rewarded"""
+
+    source: Annotated[str, Field(min_length=1)]
+    """A JSONL, Parquet or CSV file or a folder of split files under data_in/ (a DVC dependency of prepare),
+    or a Hugging Face dataset id (`owner/name`)."""
+    config: str = ""
+    """Hub dataset config name (hub ids only)."""
+    revision: str = ""
+    """Hub dataset revision, a commit to pin the data to (hub ids only; a params value, so a new one re-runs
+    prepare)."""
+    train_split: Annotated[str, Field(min_length=1)] = "train"
+    """The split trained on: `<name>.jsonl|.parquet|.csv` in a folder, a hub split."""
+    test_split: str = "test"
+    """The split scored by evaluate; empty (or a single file): `test_fraction` of the rows, drawn with
+    `data.seed`."""
+    test_fraction: Annotated[Float, Field(ge=0, lt=1)] = 0.0
+    """With no test split: the share of rows held out as the test split."""
+    val_size: NonNegInt = 0
+    """Train rows held out (seeded) for GRPO's held-out checks; at most half the train rows."""
+    fields: FieldsConfig = field(default_factory=FieldsConfig)
+    """Column names."""
+    answer: AnswerType = "number"
+    """How a completion's answer is checked: `number` (exact value), `text` (case, spacing and punctuation
+    at the ends aside), `choice` (a letter), `expression` (countdown: uses each number once, reaches the
+    answer), or `module:function`, your `(answer_text, gold) -> bool`."""
+    prompt: Annotated[str, Field(pattern=r"\{question\}"), allowed("a string containing {question}")] = DEFAULT_TEMPLATE
+    """The prompt; `{question}` is replaced by the question column."""
+    rewards: Annotated[list[RewardName], Field(min_length=1, max_length=16)] = field(
+        default_factory=lambda: ["correct", "format"])
+    """The reward's parts: built-ins `correct` (1 when the answer checks), `format` (1 for exactly one
+    `<answer>...</answer>` block holding an answer), `length` (minus the completion's characters / 1000, at
+    most 1), or `module:function` with TRL's signature `fn(prompts, completions, **columns)` returning one
+    float or None per completion. A params file naming a function names code to run."""
+    reward_weights: Annotated[list[Float], Field(min_length=1, max_length=16)] = field(
+        default_factory=lambda: [1.0, 0.2])
+    """One weight per reward part; the reward is their weighted sum (None counts 0)."""
+    max_bad_fraction: Fraction = 0.0
+    """The stage fails if more than this fraction of rows is malformed (0: any malformed row)."""
 
 
 @dataclass
@@ -490,10 +563,17 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     evaluate: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tasks: dict[TaskName, TaskConfig] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def flat(self) -> dict[str, Any]:
         """`section.key -> value`, for MLflow params."""
-        return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+        def walk(prefix: str, value: Any):  # tasks.<name>.fields.answer: one param per leaf
+            if not isinstance(value, dict):
+                yield prefix, value
+                return
+            for k, v in value.items():
+                yield from walk(f"{prefix}.{k}", v)
+        return {k: v for s, sec in self.to_dict().items() for k, v in walk(s, sec)}

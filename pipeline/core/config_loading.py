@@ -30,7 +30,8 @@ import yaml
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from pipeline.core.config import Config, ConfigError, GRPOConfig, ModelConfig
+from pipeline.core.config import (BUILTIN_TASKS, Config, ConfigError, FieldsConfig, GRPOConfig, ModelConfig,
+                                  TaskConfig)
 
 
 # --------------------------------------------------------------------------- validation
@@ -88,12 +89,54 @@ def _grpo_rules(name: str, g: GRPOConfig, block_size: int) -> list[tuple[str, bo
 
 
 def _value(cfg: Config, key: str) -> Any:
-    section, name = key.split(".", 1)
-    return getattr(getattr(cfg, section), name)
+    value: Any = cfg
+    for part in key.split("."):
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
+    return value
+
+
+USER_DATA_DIR = "data_in"  # where a task's local source lies: a DVC dependency of prepare (dvc.yaml)
+
+
+def _task_rules(cfg: Config) -> list[tuple[str, bool, str]]:
+    """The stages name tasks that exist; each task's weights match its rewards, its answer type has the
+    columns it needs, and a local source lies where DVC watches it."""
+    known = (*BUILTIN_TASKS, *cfg.tasks)
+    names = f"a built-in task ({', '.join(BUILTIN_TASKS)}) or a name under tasks"
+    e = cfg.evaluate
+    rules = [("warmup.task", cfg.warmup.task in known, names), ("grpo.task", cfg.grpo.task in known, names),
+             *(("evaluate.tasks", t in known, names) for t in e.tasks)]
+    for name, t in cfg.tasks.items():
+        key = f"tasks.{name}"
+        rules += [
+            (f"{key}.reward_weights", len(t.reward_weights) == len(t.rewards),
+             f"one weight per entry of {key}.rewards ({len(t.rewards)})"),
+            (f"{key}.rewards", len({r.rsplit(':', 1)[-1] for r in t.rewards}) == len(t.rewards),
+             "parts with different names (a function's name is its part's name, reward/<name>)"),
+            (f"{key}.fields.numbers", t.answer != "expression" or bool(t.fields.numbers),
+             "a column name: an expression answer needs the numbers to use"),
+            (f"{key}.test_fraction", bool(t.test_split) or t.test_fraction > 0,
+             f"a fraction in (0, 1) while {key}.test_split is empty (the test rows must come from somewhere)"),
+            (f"{key}.source", not _is_local(t.source) or _under_user_data(t.source),
+             f"a path under {USER_DATA_DIR}/ (prepare's DVC dependency: editing the data re-runs prepare) or a hub "
+             "dataset id owner/name"),
+        ]
+    return rules
+
+
+def _is_local(source: str) -> bool:
+    """A path rather than a hub id `owner/name`: it exists here, or has a path's shape."""
+    return (Path(source).exists() or source.startswith((".", "/", "~")) or source.count("/") != 1
+            or Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv") or Path(source.split("/")[0]).is_dir())
+
+
+def _under_user_data(source: str) -> bool:
+    root = Path(USER_DATA_DIR).resolve()
+    return Path(source).expanduser().resolve().is_relative_to(root)
 
 
 def validate(cfg: Config, source: str = "params") -> Config:
-    for key, ok, allowed in _relation_rules(cfg):
+    for key, ok, allowed in [*_relation_rules(cfg), *_task_rules(cfg)]:
         if not ok:
             raise ConfigError(f"{source}: {key} = {_show(_value(cfg, key))} is out of range; allowed: {allowed}")
     _check_memory(cfg, source)
@@ -341,8 +384,33 @@ def config_from_dict(raw: Any, source: str = "params") -> Config:
             close = difflib.get_close_matches(str(key), sections, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{source}: unknown section {key!r}{hint}; allowed: {', '.join(sections)}")
-    cfg = Config(**{s: _build_section(getattr(defaults, s), raw.get(s), s, source) for s in sections})
+    built = {s: _build_section(getattr(defaults, s), raw.get(s), s, source) for s in sections if s != "tasks"}
+    cfg = Config(**built, tasks=_build_tasks(raw.get("tasks"), source))
     return validate(cfg, source)
+
+
+def _build_tasks(raw: Any, source: str) -> dict[str, TaskConfig]:
+    """The `tasks` section: a mapping of task names to task entries, each checked as a section is."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: section 'tasks' must be a mapping of task names to task entries")
+    tasks = {}
+    for name, entry in raw.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,39}", name):
+            raise ConfigError(f"{source}: tasks.{name} is not a task name; allowed: lowercase letters, digits and _, "
+                              "starting with a letter, at most 40 characters")
+        if name in BUILTIN_TASKS:
+            raise ConfigError(f"{source}: tasks.{name} is a built-in task ({', '.join(BUILTIN_TASKS)}); give yours "
+                              "another name")
+        if not isinstance(entry, dict) or "source" not in entry:
+            raise ConfigError(f"{source}: tasks.{name} must be a mapping with at least `source` (a file or folder "
+                              "under data_in/, or a hub dataset id)")
+        entry = dict(entry)
+        fields = _build_section(FieldsConfig(), entry.pop("fields", None), f"tasks.{name}.fields", source)
+        tasks[name] = _build_section(TaskConfig(source="-"), entry, f"tasks.{name}", source)
+        tasks[name] = dataclasses.replace(tasks[name], fields=fields)
+    return tasks
 
 
 OVERRIDE_HELP = ("expected section.key=value in DVC's -S grammar (Hydra's), e.g. grpo.kl_coef=0.02 or "
@@ -480,9 +548,14 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = 
     for text in overrides or []:
         section, key, value = parse_override(text)
         sec = raw.setdefault(section, {})
+        *parents, leaf = key.split(".")  # tasks.mine.fields.answer: nested mappings
+        for part in parents:
+            if not isinstance(sec, dict):
+                break
+            sec = sec.setdefault(part, {})
         if not isinstance(sec, dict):
             raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
-        sec[key] = value
+        sec[leaf] = value
     return config_from_dict(raw, str(path))
 
 

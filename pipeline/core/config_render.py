@@ -24,6 +24,20 @@ PARAMS_HEADER = """\
 """
 
 
+TASKS_HEADER = """\
+# --- tasks: your own tasks, each a name with its data, prompt, answer type and rewards (docs/own-task.md);
+# the stages pick theirs with warmup.task, grpo.task and evaluate.tasks. Built-in: gsm8k, arith, countdown.
+#   tasks:
+#     mine:
+#       source: data_in/mine            # folder with train/test files, a file, or a hub id
+#       fields: {question: q, answer: ans}
+#       answer: number                  # number, text, choice, expression or module:function
+#       rewards: [correct, format, "mypkg.rewards:brevity"]
+#       reward_weights: [1.0, 0.2, 0.1]
+# Keys and defaults of an entry: pipeline/core/config.py (TaskConfig, FieldsConfig).
+"""
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a config section (pydantic reads it: ``use_attribute_docstrings``),
     from the class that declares the field (a subclass, such as the warmup's, inherits its base's)."""
@@ -49,6 +63,10 @@ def render_params(cfg: Config) -> str:
     lines = [PARAMS_HEADER.rstrip()]
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
+        if f.name == "tasks":
+            lines += ["", TASKS_HEADER.rstrip(), yaml.safe_dump({"tasks": cfg.to_dict()["tasks"]}, sort_keys=False,
+                                                               width=108).rstrip()]
+            continue
         lines += ["", f"# --- {f.name}: {type(section).__doc__.strip()}", f"{f.name}:"]
         docs = field_docs(type(section))
         for key in dataclasses.fields(section):

@@ -1,6 +1,7 @@
-"""The one prompt format shared by every task, and how numbers and answers are written.
+"""The prompt format, and how numbers and answers are written.
 
-A prompt is `cfg.data.prompt_template` with `{question}` substituted (plain substitution, not
+A prompt is its task's template (`data.prompt_template` for gsm8k and arith, `tasks.<name>.prompt`
+for a task of yours: `pipeline.data.tasks.task_template`) with `{question}` substituted (plain substitution, not
 `str.format`, so braces in a question are harmless). A response is what the policy generates after
 the prompt: the SFT target is `response_text(solution)` and ends, after the reasoning, with
 `<answer>N</answer>`. The prompt and the response are tokenized separately (prompt ids + response
@@ -42,13 +43,16 @@ def response_text(solution: str) -> str:
     return " " + solution
 
 
-def fewshot_prompt(question: str, shots: Sequence[tuple[str, str]], tokenizer, data: DataConfig) -> str:
+def fewshot_prompt(question: str, shots: Sequence[tuple[str, str]], tokenizer, data: DataConfig,
+                   template: str | None = None) -> str:
     """`question` after the worked examples `shots` ((question, solution) pairs), in the prompt format of
-    training: under the chat template each example is an earlier user turn (the filled
-    `data.prompt_template`) and its assistant answer; without it, each example's prompt and response text,
-    a blank line apart. Evaluation's few-shot entries and GRPO's scaffolded prompts are both this."""
+    training: under the chat template each example is an earlier user turn (the filled `template`, the
+    task's prompt; default `data.prompt_template`) and its assistant answer; without it, each example's
+    prompt and response text, a blank line apart. Evaluation's few-shot entries and GRPO's scaffolded
+    prompts are both this."""
+    template = template or data.prompt_template
     if data.chat_template:
-        turns = [(format_prompt(q, data.prompt_template), a) for q, a in shots]
-        return tokenizer.chat_prompt(format_prompt(question, data.prompt_template), data.system_prompt, turns)
-    shown = "".join(format_prompt(q, data.prompt_template) + response_text(a) + "\n\n" for q, a in shots)
-    return shown + format_prompt(question, data.prompt_template)
+        turns = [(format_prompt(q, template), a) for q, a in shots]
+        return tokenizer.chat_prompt(format_prompt(question, template), data.system_prompt, turns)
+    shown = "".join(format_prompt(q, template) + response_text(a) + "\n\n" for q, a in shots)
+    return shown + format_prompt(question, template)

@@ -1,6 +1,6 @@
 """The processed row schema (docs/architecture.md), checked where a later stage reads prepared data.
 
-A row that prepare could not have written (missing or non-numeric `gold`, an unknown `source`, a
+A row that prepare could not have written (a missing or non-finite `gold`, no `source` task name, a
 non-text `prompt`) means the file was edited or comes from elsewhere: the reader stops with one line
 naming `file:line` instead of failing later inside training or scoring.
 """
@@ -14,7 +14,6 @@ from typing import Any
 
 from pipeline.core.errors import InputError
 from pipeline.core.files import json_problem, text_lines
-from pipeline.rewards.verifiers import REWARDS
 
 
 def check_prepared_row(row: Any, location: str) -> dict[str, Any]:
@@ -27,15 +26,21 @@ def check_prepared_row(row: Any, location: str) -> dict[str, Any]:
     return row
 
 
+NUMBER_TASKS = ("gsm8k", "arith", "countdown")  # the built-in tasks, whose gold is a number
+
+
 def _problem(row: dict[str, Any]) -> str:
     gold = row.get("gold")
     if "gold" not in row:
         return "missing 'gold'"
-    if isinstance(gold, bool) or not isinstance(gold, (int, float)) or not math.isfinite(gold):
-        return f"'gold' = {gold!r} is not a finite number"
     source = row.get("source")
-    if source not in REWARDS:
-        return f"unknown 'source' {source!r}; known: {', '.join(REWARDS)}"
+    if not isinstance(source, str) or not source:
+        return f"'source' = {source!r} is not a task name"
+    number = isinstance(gold, (int, float)) and not isinstance(gold, bool) and math.isfinite(gold)
+    if (source in NUMBER_TASKS or isinstance(gold, float)) and not number:
+        return f"'gold' = {gold!r} is not a finite number"
+    if gold is None or isinstance(gold, bool):
+        return f"'gold' = {gold!r} is not an answer"
     for key in ("prompt", "question", "solution"):
         if not isinstance(row.get(key), str):
             return f"missing or non-text '{key}'"

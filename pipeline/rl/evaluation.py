@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.files import write_bytes_atomic
-from pipeline.rewards.parsing import extract_answer
-from pipeline.rewards.verifiers import Verifier, answers_match, has_well_formed_answer, score
+from pipeline.rewards.task_rewards import NUMBER_REWARDS, TaskRewards
+from pipeline.rewards.verifiers import answers_match
 
 DECIMALS = 4
 TASKS = ("gsm8k", "arith")
@@ -38,24 +38,17 @@ TASKS = ("gsm8k", "arith")
 
 # --------------------------------------------------------------------------- scoring
 
-def score_completion(text: str, gold: float, source: str = "gsm8k",
-                     verifier: Verifier | None = None) -> dict[str, Any]:
-    """Parsed answer, reward, correctness and format of one completion (the training verifier).
-
-    `source` picks the verifier exactly as training does (`reward_for(row["source"])`); a user's
-    `verifier` (``evaluate.reward``) replaces it, and a completion is then correct when it scores >= 1.
-    """
-    parsed = extract_answer(text)
-    reward = float(score(text, gold, source, verifier))
-    correct = reward >= 1.0 if verifier is not None else parsed is not None and bool(answers_match(parsed, gold))
-    return {"parsed": parsed, "reward": reward, "correct": correct, "well_formed": bool(has_well_formed_answer(text))}
-
-
-def score_completions(texts: Sequence[str], golds: Sequence[float], source: str = "gsm8k",
-                      verifier: Verifier | None = None) -> list[dict[str, Any]]:
-    if len(texts) != len(golds):
-        raise ValueError(f"{len(texts)} completions but {len(golds)} golds")
-    return [score_completion(t, g, source, verifier) for t, g in zip(texts, golds)]
+def score_completions(texts: Sequence[str], rows: Sequence[Mapping[str, Any]],
+                      rewards: TaskRewards | None = None) -> list[dict[str, Any]]:
+    """Parsed answer, reward, correctness and format of each completion (text i answers rows[i]), judged
+    by the task's checker and rewards exactly as in training (default: a number task's, gsm8k and arith)."""
+    if len(texts) != len(rows):
+        raise ValueError(f"{len(texts)} completions but {len(rows)} rows")
+    rewards = rewards or NUMBER_REWARDS
+    checker = rewards.checker
+    totals, _ = rewards.score([r.get("prompt", "") for r in rows], list(texts), list(rows)) if rows else ([], {})
+    return [{"parsed": checker.parsed(t), "reward": float(total), "correct": checker.correct(t, r),
+             "well_formed": checker.well_formed(t)} for t, r, total in zip(texts, rows, totals)]
 
 
 def mean(values: Iterable[float | bool]) -> float:
@@ -108,6 +101,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+def _vote(answer: Any) -> Any:
+    """What a vote counts: a number as a float (3 and 3.0, -0.0 and 0.0 are one vote), text as it is."""
+    return float(answer) if isinstance(answer, (int, float)) else answer
+
+
 def majority_vote(answers: Sequence[float | None]) -> float | None:
     """The most frequent parsed answer; None (or NaN) does not vote; ties -> earliest first occurrence.
 
@@ -118,7 +116,7 @@ def majority_vote(answers: Sequence[float | None]) -> float | None:
     for i, a in enumerate(answers):
         if a is None or (isinstance(a, float) and math.isnan(a)):
             continue
-        key = float(a)  # 3 and 3.0 (and -0.0 and 0.0) are the same vote
+        key = _vote(a)
         counts[key] = counts.get(key, 0) + 1
         first.setdefault(key, i)
     if not counts:
@@ -126,22 +124,24 @@ def majority_vote(answers: Sequence[float | None]) -> float | None:
     return min(counts, key=lambda a: (-counts[a], first[a]))
 
 
-def maj_correct(answers: Sequence[float | None], gold: float) -> bool:
+def maj_correct(answers: Sequence[Any], gold: float) -> bool:
+    """Whether the majority answer of a number task's samples equals the gold."""
     winner = majority_vote(answers)
     return winner is not None and bool(answers_match(winner, gold))
 
 
-def sample_stats(texts: Sequence[str], gold: float, k: int, source: str = "gsm8k",
-                 verifier: Verifier | None = None) -> dict[str, Any]:
-    """Per-problem sampling figures from its n sampled completions (pass@k with k <= n)."""
-    scored = score_completions(texts, [gold] * len(texts), source, verifier)
+def sample_stats(texts: Sequence[str], row: Mapping[str, Any], k: int,
+                 rewards: TaskRewards | None = None) -> dict[str, Any]:
+    """Per-problem sampling figures from its n sampled completions (pass@k with k <= n); the majority
+    answer is correct when a sample giving it is."""
+    scored = score_completions(texts, [row] * len(texts), rewards)
     c = sum(r["correct"] for r in scored)
     winner = majority_vote([r["parsed"] for r in scored])
     return {
         "samples_correct": c,
         "pass_at_k": pass_at_k(len(texts), c, k),
         "maj_answer": winner,
-        "maj_correct": winner is not None and bool(answers_match(winner, gold)),
+        "maj_correct": any(r["correct"] for r in scored if r["parsed"] is not None and _vote(r["parsed"]) == _vote(winner)),
     }
 
 

@@ -17,24 +17,35 @@ from pipeline.rl.rollout import rollout_prompts
 EVAL_BATCH = 64  # prompts per greedy generation batch of `greedy_accuracy`
 
 
-def greedy_correct_rows(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> list[int]:
-    """1 for each of `rows` whose greedy completion's `<answer>` matches the gold number, else 0; in order."""
+Correct = Callable[[str, dict[str, Any]], bool]  # (completion, row) -> whether it answers the row
+
+
+def number_correct(text: str, row: dict[str, Any]) -> bool:
+    """The number task's check (gsm8k, arith): the parsed answer equals the gold number."""
+    return bool(answers_match(extract_answer(text), row["gold"]))
+
+
+def greedy_correct_rows(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int,
+                        correct: Correct = number_correct) -> list[int]:
+    """1 for each of `rows` whose greedy completion is `correct` (default: the gold number), else 0; in order."""
     out: list[int] = []
     for s in range(0, len(rows), EVAL_BATCH):
         batch = rows[s:s + EVAL_BATCH]
         ro = rollout_prompts(policy, [r["prompt"] for r in batch], 1, max_new_tokens, greedy=True)
-        out += [int(answers_match(extract_answer(t), r["gold"])) for t, r in zip(ro.texts, batch)]
+        out += [int(correct(t, r)) for t, r in zip(ro.texts, batch)]
     return out
 
 
-def greedy_correct(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> int:
-    """How many of `rows` have a greedy completion whose `<answer>` matches the gold number."""
-    return sum(greedy_correct_rows(policy, rows, max_new_tokens))
+def greedy_correct(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int,
+                   correct: Correct = number_correct) -> int:
+    """How many of `rows` have a correct greedy completion."""
+    return sum(greedy_correct_rows(policy, rows, max_new_tokens, correct))
 
 
-def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int) -> float | None:
-    """Fraction of `rows` whose greedy completion's `<answer>` matches the gold number."""
-    return greedy_correct(policy, rows, max_new_tokens) / len(rows) if rows else None
+def greedy_accuracy(policy, rows: Sequence[dict[str, Any]], max_new_tokens: int,
+                    correct: Correct = number_correct) -> float | None:
+    """Fraction of `rows` whose greedy completion is correct (None: no rows)."""
+    return greedy_correct(policy, rows, max_new_tokens, correct) / len(rows) if rows else None
 
 
 def row_budgets(policy, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:

@@ -40,14 +40,13 @@ from pipeline.core.errors import InputError
 from pipeline.data.prompts import fewshot_prompt
 from pipeline.data.schema import read_rows
 from pipeline.model.policy import Policy
-from pipeline.rewards.verifiers import has_well_formed_answer
+from pipeline.rewards.task_rewards import TaskRewards
 from pipeline.rl.loss import informative_groups
 from pipeline.rl.rollout import Rollout, left_pad, rollout_prompts
 
 log = logging.getLogger(__name__)
 
 Cursor = tuple[int, int]  # (epoch, position in that epoch's permutation of the rows)
-Verifier = Callable[[str], Callable[[str, Any], float]]  # a row's `source` -> (completion, gold) -> reward
 
 
 # --------------------------------------------------------------------------- worked-example scaffold
@@ -163,15 +162,25 @@ class Groups:
     sampled_shown: torch.Tensor
     sampled_formed: torch.Tensor
     off_policy: bool  # some completions were sampled after another prompt than the one they are trained on
+    # each reward part over every completion rolled out: name -> [sum of its values, how many were not None]
+    part_sums: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
-def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, verifier: Verifier) -> torch.Tensor:
-    """Verifier rewards (N,) of group-contiguous completions (completion i answers rows[i // G])."""
-    return torch.tensor([verifier(rows[i // group_size]["source"])(t, rows[i // group_size]["gold"])
-                         for i, t in enumerate(texts)])
+def score(rows: list[dict[str, Any]], texts: list[str], group_size: int, rewards: TaskRewards,
+          part_sums: dict[str, list[float]] | None = None) -> torch.Tensor:
+    """The task's rewards (N,) of group-contiguous completions (completion i answers rows[i // G], after
+    its bare prompt); each part's values are added to `part_sums`."""
+    per = [rows[i // group_size] for i in range(len(texts))]
+    total, parts = rewards.score([r["prompt"] for r in per], texts, per)
+    if part_sums is not None:
+        for name, values in parts.items():
+            acc = part_sums.setdefault(name, [0.0, 0.0])
+            acc[0] += sum(v for v in values if v is not None)
+            acc[1] += sum(v is not None for v in values)
+    return torch.tensor(total)
 
 
-def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, conf: GRPOConfig, verifier: Verifier,
+def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, conf: GRPOConfig, rewards: TaskRewards,
                   generator: torch.Generator, rank: int = 0, world: int = 1,
                   keep: list[float] | None = None, scaffold: Scaffold | None = None) -> Groups:
     """Roll out and score this rank's groups; with dynamic sampling, replace zero-variance groups.
@@ -186,6 +195,7 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
     sampled: list[torch.Tensor] = []
     sampled_idx: list[int] = []
     dropped, rounds, times = 0, 0, {"rollout": 0.0, "scoring": 0.0}
+    part_sums: dict[str, list[float]] = {}
     while rounds < conf.max_sampling_rounds:
         need = per_rank - len(kept_rows)
         # all ranks draw together (same cursor, disjoint prompts) until none needs more
@@ -206,15 +216,15 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
                                  conf.temperature, conf.top_p, conf.top_k, generator=generator)
             guided = torch.tensor([s is not None for s in scaffolded]).view(-1, 1).expand(-1, G)
         t1 = time.perf_counter()
-        rewards = score(batch, ro.texts, G, verifier).view(-1, G)  # (prompts, G)
+        group_rewards = score(batch, ro.texts, G, rewards, part_sums).view(-1, G)  # (prompts, G)
         times["rollout"] += t1 - t0
         times["scoring"] += time.perf_counter() - t1
-        sampled.append(rewards)
+        sampled.append(group_rewards)
         sampled_idx += idx
         if scaffold:
             shown.append(guided)
-            formed.append(torch.tensor([has_well_formed_answer(t) for t in ro.texts], dtype=torch.float).view(-1, G))
-        informative = informative_groups(rewards, G)
+            formed.append(torch.tensor([rewards.checker.well_formed(t) for t in ro.texts], dtype=torch.float).view(-1, G))
+        informative = informative_groups(group_rewards, G)
         for j, row in enumerate(batch):
             # a zero-variance group has zero advantages: it carries no policy gradient (DAPO drops it)
             if conf.dynamic_sampling and not informative[j] and rounds < conf.max_sampling_rounds:
@@ -222,14 +232,14 @@ def sample_groups(policy: Policy, rows: list[dict[str, Any]], cursor: Cursor, co
                 continue
             kept_rows.append(row)
             kept.append((ro, list(range(j * G, (j + 1) * G))))
-            kept_rewards.append(rewards[j])
+            kept_rewards.append(group_rewards[j])
         if not conf.dynamic_sampling:
             break
     rollout = select_rollouts(kept[:per_rank], policy.tokenizer.pad_id)
     return Groups(kept_rows[:per_rank], rollout, torch.cat(kept_rewards[:per_rank]), torch.cat(sampled), sampled_idx,
                   dropped, cursor, times, torch.cat(shown) if shown else torch.empty(0, G, dtype=torch.bool),
                   torch.cat(formed) if formed else torch.empty(0, G),
-                  bool(scaffold and scaffold.mode == "guide" and any(bool(g.any()) for g in shown)))
+                  bool(scaffold and scaffold.mode == "guide" and any(bool(g.any()) for g in shown)), part_sums)
 
 
 def guided_rollout(policy: Policy, batch: list[dict[str, Any]], scaffolded: list[str | None], k: int,
@@ -405,7 +415,8 @@ class PromptSource:
                 **{f"level_informative/{v}": r for v, r in level_rates(state.level_counts).items()}}
 
 
-def worked_examples(policy: Policy, path: Path, data: DataConfig, conf: GRPOConfig, stage: str) -> Scaffold:
+def worked_examples(policy: Policy, path: Path, data: DataConfig, conf: GRPOConfig, stage: str,
+                    template: str | None = None) -> Scaffold:
     """`<stage>.fewshot_examples`: the first N rows of the training file `path` as worked examples (where
     evaluate's few-shot entries take theirs from) and the prompt of a question after them. A prompt that
     leaves no room for the rollout in the model's context stays bare (logged once); an InputError where
@@ -417,7 +428,7 @@ def worked_examples(policy: Policy, path: Path, data: DataConfig, conf: GRPOConf
 
     def prompt(question: str) -> str | None:
         nonlocal told
-        text = fewshot_prompt(question, shots, policy.tokenizer, data)
+        text = fewshot_prompt(question, shots, policy.tokenizer, data, template)
         if budget is None or len(policy.tokenizer.encode(text)) <= budget:
             return text
         if not told:
@@ -427,7 +438,7 @@ def worked_examples(policy: Policy, path: Path, data: DataConfig, conf: GRPOConf
             told = True
         return None
 
-    alone = len(policy.tokenizer.encode(fewshot_prompt("", shots, policy.tokenizer, data)))
+    alone = len(policy.tokenizer.encode(fewshot_prompt("", shots, policy.tokenizer, data, template)))
     if budget is not None and alone > budget:
         raise InputError(f"{stage}.fewshot_examples = {conf.fewshot_examples}: the worked examples of {path} alone "
                          f"take {alone} tokens, more than the {budget} a prompt may have with {stage}.rollout_len = "

@@ -45,6 +45,10 @@ def iteration_metrics(conf: GRPOConfig, groups: Groups, stats: dict[str, float],
         "time_rollout": times["rollout"], "time_scoring": times["scoring"],
         "time_logprobs": times["update"] - times["logprobs"], "time_update": times["end"] - times["update"],
     })
+    names = list(groups.part_sums)  # every rank scores the same task: the same parts in the same order
+    sums = dist_utils.sum_across_ranks([x for n in names for x in groups.part_sums[n]])
+    metrics.update({f"reward/{n}": sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else None
+                    for i, n in enumerate(names)})
     if conf.fewshot_examples:
         metrics.update(scaffold_metrics(groups))
     return metrics

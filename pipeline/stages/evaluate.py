@@ -1,8 +1,9 @@
-"""Evaluate stage: score each stage's checkpoint on GSM8K test and the held-out arithmetic set.
+"""Evaluate stage: score each stage's checkpoint on the test split of each task of ``evaluate.tasks``
+(default: GSM8K test and the held-out arithmetic set).
 
 For every stage in ``cfg.evaluate.stages`` (checkpoints/<stage>/) and every task, greedy completions
 are generated in batches of ``evaluate.batch_size`` prompts (KV-cached ``rollout_prompts``) and scored
-with the training verifier. With ``evaluate.samples = k > 0``, k seeded samples per problem of
+with the task's checker and rewards, as in training. With ``evaluate.samples = k > 0``, k seeded samples per problem of
 each task in ``evaluate.sample_tasks`` (default: the arithmetic set only) add pass@1 (mean sample
 accuracy), pass@k and maj@k (see ``pipeline.rl.evaluation``). Outputs, all written atomically:
 
@@ -34,15 +35,14 @@ from pipeline.core.errors import InputError
 from pipeline.core.progress import as_text, progress_bar
 from pipeline.data.prompts import fewshot_prompt
 from pipeline.data.schema import read_rows
-from pipeline.rewards.verifiers import load_verifier
+from pipeline.data.tasks import task_files, task_template
+from pipeline.rewards.task_rewards import TaskRewards, task_rewards
 from pipeline.rl import evaluation as ev
 from pipeline.rl.generation import generate, row_budgets
 from pipeline.tracking import stage_logger
 
 log = logging.getLogger(__name__)
 
-TASK_FILES = {"gsm8k": "gsm8k_test.jsonl", "arith": "arith_eval.jsonl"}
-SHOT_FILES = {"gsm8k": "gsm8k_train.jsonl", "arith": "arith_train.jsonl"}  # where few-shot examples come from
 FEWSHOT_SUFFIX = "_fewshot"
 TRAINING_CSVS = ("warmup", "grpo")
 SAMPLE_TABLE_ROWS = 5  # per stage and task, in the tracker's table of sample predictions
@@ -53,12 +53,10 @@ SAMPLE_TABLE_ROWS = 5  # per stage and task, in the tracker's table of sample pr
 def load_rows(path: Path, limit: int = 0) -> list[dict[str, Any]]:
     """The first `limit` rows (0 = all) of a prepared JSONL (:func:`pipeline.data.schema.read_rows`), with
     each row's `prompt` and `gold` checked; an empty file is an error (nothing to evaluate)."""
-    rows = read_rows(path, limit)
-    for i, row in enumerate(rows, 1):
-        try:
-            row["prompt"], row["gold"] = str(row["prompt"]), float(row["gold"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"{path}: row {i}: bad row ({exc!r}); expected JSON with prompt and gold") from None
+    rows = read_rows(path, limit)  # each with a text prompt and a gold (pipeline.data.schema)
+    for row in rows:
+        if isinstance(row["gold"], int) and not isinstance(row["gold"], bool):
+            row["gold"] = float(row["gold"])  # a number task's gold as a float, as the reports show it
     if not rows:
         raise InputError(f"{path}: no rows to evaluate (re-run the 'prepare' stage)")
     return rows
@@ -79,8 +77,13 @@ def entries(e) -> dict[str, tuple[str, bool]]:
 def load_shots(tasks: Sequence[str], n: int) -> dict[str, list[tuple[str, str]]]:
     """The few-shot examples of each task: (question, worked solution) of the first `n` rows of its
     training file, the same for every question (the test rows never appear among them)."""
-    return {task: [(r["question"], r["solution"]) for r in read_rows(Path(DATA_DIR) / SHOT_FILES[task], n)]
+    return {task: [(r["question"], r["solution"]) for r in read_rows(Path(DATA_DIR) / task_files(task).train, n)]
             for task in tasks}
+
+
+def task_limit(e, task: str) -> int:
+    """How many test rows of `task` are scored (0: all): `gsm8k_limit`, `arith_limit`, else all."""
+    return {"gsm8k": e.gsm8k_limit, "arith": e.arith_limit}.get(task, 0)
 
 
 def level_metrics(rows: Sequence[dict[str, Any]], preds: Sequence[dict[str, Any]]) -> dict[str, float | int]:
@@ -112,17 +115,19 @@ def checkpoint_folder(stage: str) -> Path:
 
 
 def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
-                  advance: Callable[[int], None] | None = None, samples: int | None = None) -> list[dict[str, Any]]:
+                  advance: Callable[[int], None] | None = None, samples: int | None = None,
+                  rewards: TaskRewards | None = None) -> list[dict[str, Any]]:
     """Per-example prediction rows of one checkpoint on one task (greedy, plus `samples` sampled
-    completions per problem; default `evaluate.samples`)."""
+    completions per problem; default `evaluate.samples`), scored by the task's `rewards` (default: the
+    rows' task's own)."""
     e = cfg.evaluate
-    verifier = load_verifier(e.reward, "evaluate.reward")
+    rewards = rewards or task_rewards(cfg, rows[0]["source"])
     prompts = [r["prompt"] for r in rows]
     texts, lengths, truncated = generate(policy, prompts, batch_size=e.batch_size,
                                          max_new_tokens=e.max_new_tokens, advance=advance)
     out = []
-    for row, text, length, trunc in zip(rows, texts, lengths, truncated):
-        scored = ev.score_completion(text, row["gold"], row.get("source", "gsm8k"), verifier)
+    for row, text, length, trunc, scored in zip(rows, texts, lengths, truncated,
+                                                ev.score_completions(texts, rows, rewards)):
         out.append({"id": row.get("id", ""), "question": row.get("question", ""), "gold": row["gold"],
                     "completion": text, **scored, "response_length": length, "truncated": trunc})
     k = e.samples if samples is None else samples
@@ -133,7 +138,7 @@ def evaluate_task(policy, rows: Sequence[dict[str, Any]], cfg: Config,
                                  generator=generator, advance=advance)
         for i, pred in enumerate(out):
             group = sampled[i * k:(i + 1) * k]  # rollouts are group-contiguous
-            pred.update(ev.sample_stats(group, pred["gold"], k, rows[i].get("source", "gsm8k"), verifier))
+            pred.update(ev.sample_stats(group, rows[i], k, rewards))
     return out
 
 
@@ -143,13 +148,14 @@ def run_evaluate(cfg: Config) -> dict[str, Any]:
     """Evaluate every configured checkpoint; write metrics, predictions and plots; return paths and metrics."""
     e = cfg.evaluate
     files.recover_outputs("evaluate")  # a publish a kill interrupted is finished first
-    data = {"gsm8k": load_rows(Path(DATA_DIR) / TASK_FILES["gsm8k"], e.gsm8k_limit),
-            "arith": load_rows(Path(DATA_DIR) / TASK_FILES["arith"], e.arith_limit)}
-    load_verifier(e.reward, "evaluate.reward")  # a bad spec fails before any generation
+    data: dict[str, Any] = {"rows": {task: load_rows(Path(DATA_DIR) / task_files(task).test, task_limit(e, task))
+                                     for task in e.tasks}}
+    for task, rows in data["rows"].items():  # a user reward that does not import, or fails, stops here
+        task_rewards(cfg, task).probe(rows[0])
     # every checkpoint checked before any generation
     folders = {name: (checkpoint_folder(stage), fewshot) for name, (stage, fewshot) in entries(e).items()}
     if e.fewshot_stages:
-        data["shots"] = load_shots(list(TASK_FILES), e.fewshot_examples)
+        data["shots"] = load_shots(e.tasks, e.fewshot_examples)
     # the logger opens first: an unreachable tracking server fails in seconds, before generation
     with stage_logger(cfg, "evaluate") as tracker:
         metrics, predictions = _evaluate_all(cfg, data, folders)
@@ -182,15 +188,15 @@ def _evaluate_checkpoint(cfg: Config, stage: str, target: tuple[Path, bool], dat
 
     e = cfg.evaluate
     folder, fewshot = target
-    tasks = {task: rows for task, rows in data.items() if task in TASK_FILES}
+    tasks = dict(data["rows"])
     k = {task: e.samples if task in e.sample_tasks else 0 for task in tasks}
     policy = load_policy(folder, run=cfg.model)  # this run's device (`auto`: CUDA if available), dtype, ...
     policy.eval()
     per_task, unscorable = {}, {}
     for task, rows in tasks.items():
         if fewshot:
-            rows = [{**r, "prompt": fewshot_prompt(r["question"], data["shots"][task], policy.tokenizer, cfg.data)}
-                    for r in rows]
+            rows = [{**r, "prompt": fewshot_prompt(r["question"], data["shots"][task], policy.tokenizer, cfg.data,
+                                                   task_template(cfg, task))} for r in rows]
         rows, unscorable[task] = set_aside_unfit(policy, rows, e.max_new_tokens, f"{stage}/{task}")
         tasks[task] = rows
         advance = None
@@ -198,7 +204,8 @@ def _evaluate_checkpoint(cfg: Config, stage: str, target: tuple[Path, bool], dat
             passes = 1 + (1 if k[task] > 0 else 0)  # greedy, then the sampled groups
             bar = progress.add_task(f"{stage}/{task}", total=len(rows) * passes, info="")
             advance = lambda n, bar=bar: progress.advance(bar, n)  # noqa: E731
-        per_task[task] = evaluate_task(policy, rows, cfg, samples=k[task], advance=advance)
+        per_task[task] = evaluate_task(policy, rows, cfg, samples=k[task], advance=advance,
+                                       rewards=task_rewards(cfg, task))
     metrics = ev.stage_metrics(per_task, k)
     # rows the model's context cannot hold (present only when there are some): counted, not scored
     metrics.update({f"{task}_unscorable": len(ids) for task, ids in unscorable.items() if ids})

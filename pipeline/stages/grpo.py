@@ -1,7 +1,13 @@
 """The two GRPO stages, one loop (the reference chapter's section 5):
 
-- ``warmup``: GRPO on the arithmetic curriculum, from ``checkpoints/sft``, writes ``checkpoints/warmup``.
-- ``grpo``:   GRPO on GSM8K train, from ``checkpoints/warmup``, writes ``checkpoints/grpo``.
+- ``warmup``: GRPO on its task (``warmup.task``, the arithmetic curriculum by default), from
+  ``checkpoints/sft``, writes ``checkpoints/warmup``.
+- ``grpo``:   GRPO on its task (``grpo.task``, GSM8K by default), from ``checkpoints/warmup``, writes
+  ``checkpoints/grpo``.
+
+The task gives the prompts (its train split), the held-out checks (its validation split) and the
+reward (:mod:`pipeline.rewards.task_rewards`: the weighted sum of its parts, each part logged as
+``reward/<name>``).
 
 The frozen reference policy of both is the SFT checkpoint. ``run_grpo`` is the loop: one
 ``grpo_iteration`` (sample groups -> score -> advantages -> old/ref log-probs -> update), then
@@ -38,9 +44,10 @@ from pipeline.core.progress import Pace, progress_bar
 from pipeline.data.schema import read_rows
 from pipeline.model.lora import AdaptersOff, add_lora
 from pipeline.model.policy import Policy
-from pipeline.rewards.verifiers import rewards_by_source
+from pipeline.data.tasks import task_files, task_template
+from pipeline.rewards.task_rewards import TaskRewards, task_rewards
 from pipeline.rl.generation import greedy_accuracy
-from pipeline.rl.group_sampling import (PromptSource, Verifier, adapt_curriculum, fitting_rows, row_levels, sample_groups,
+from pipeline.rl.group_sampling import (PromptSource, adapt_curriculum, fitting_rows, row_levels, sample_groups,
                                      worked_examples)
 from pipeline.rl.loss import group_advantages
 from pipeline.rl.metrics import iteration_metrics, progress_info, sample_rows
@@ -62,9 +69,10 @@ CSV_COLUMNS = ["iteration", "reward", "reward_std", "informative", "kl", "clipfr
 FEWSHOT_COLUMNS = ["fewshot_share", "reward_bare", "well_formed_bare", "reward_shown", "well_formed_shown"]
 
 
-def csv_columns(conf: GRPOConfig) -> list[str]:
-    """The columns of the stage's plots CSV."""
-    return CSV_COLUMNS + FEWSHOT_COLUMNS if conf.fewshot_examples else CSV_COLUMNS
+def csv_columns(conf: GRPOConfig, parts: list[str]) -> list[str]:
+    """The columns of the stage's plots CSV: each reward part's mean (`reward/<name>`) after the fixed ones."""
+    return (CSV_COLUMNS + (FEWSHOT_COLUMNS if conf.fewshot_examples else [])
+            + [f"reward/{p}" for p in parts])
 
 
 @dataclass
@@ -95,12 +103,13 @@ class StagePaths:
     eval: Path
 
     @classmethod
-    def of(cls, stage: str) -> StagePaths:
+    def of(cls, stage: str, task: str) -> StagePaths:
+        """The stage's checkpoints and series, and the train and validation files of its `task`."""
         if stage not in GRPO_STAGES:
             raise ValueError(f"stage={stage!r}; allowed: {', '.join(GRPO_STAGES)}")
-        row, ckpt, data = stage_of(stage), Path(CHECKPOINT_DIR), Path(DATA_DIR)
+        row, ckpt, data, files = stage_of(stage), Path(CHECKPOINT_DIR), Path(DATA_DIR), task_files(task)
         return cls(ckpt / row.init, ckpt / row.reference, ckpt / stage, ckpt / f"{stage}.resume",
-                   Path(PLOTS_DIR) / f"{stage}.csv", data / row.train, data / row.held_out)
+                   Path(PLOTS_DIR) / f"{stage}.csv", data / files.train, data / files.val)
 
 
 @dataclass
@@ -117,6 +126,7 @@ class GRPORun:
     ref: Policy | AdaptersOff | None  # anything with token_logprobs
     optimizer: torch.optim.Optimizer
     generator: torch.Generator
+    rewards: TaskRewards | None = None  # the task's checker and weighted reward parts
     rank: int = 0
     world: int = 1
     prompts: PromptSource = field(default_factory=PromptSource)  # levels to draw by, worked examples
@@ -135,12 +145,10 @@ class GRPORun:
 
 # --------------------------------------------------------------------------- the loop
 
-def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[str, Any]:
-    """Run the `warmup` or `grpo` stage; `verifier` maps a row's source to its reward function
-    (default: the built-in ones, or the user's `<stage>.reward`)."""
-    verifier = verifier or rewards_by_source(getattr(cfg, stage).reward, f"{stage}.reward")  # fails fast
-    run = setup(cfg, stage)
-    conf, is_main = run.conf, run.rank == 0
+def run_grpo(cfg: Config, stage: str, rewards: TaskRewards | None = None) -> dict[str, Any]:
+    """Run the `warmup` or `grpo` stage on its task; `rewards` replaces the task's own (tests)."""
+    run = setup(cfg, stage, rewards)
+    conf, is_main, parts = run.conf, run.rank == 0, run.rewards.names
     key = compatibility_key(run)
     state = resume(run, key) or TrainState(total_iters=conf.iterations)
     with stage_logger(cfg, stage, enabled=is_main) as tracker, progress_bar(enabled=is_main) as bar:
@@ -150,14 +158,15 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
         task = bar.add_task(stage, total=state.total_iters, completed=state.iteration, info="")
         pace = Pace(state.iteration, state.total_iters)
         while state.iteration < state.total_iters:
-            metrics, samples = grpo_iteration(run, state, verifier)
+            metrics, samples = grpo_iteration(run, state)
             state.iteration += 1
             it, last = state.iteration, state.iteration == state.total_iters
             # --- evaluate, adapt the curriculum ------------------------------------------------
             if conf.eval_every and (it % conf.eval_every == 0 or last):
-                metrics["accuracy"] = greedy_accuracy(run.sampler(), run.eval_rows, conf.rollout_len)
+                metrics["accuracy"] = greedy_accuracy(run.sampler(), run.eval_rows, conf.rollout_len,
+                                                      run.rewards.checker.correct)
             adapt_curriculum(conf, state, metrics)
-            state.series.append({"iteration": it, **{k: metrics.get(k) for k in csv_columns(conf)[1:]}})
+            state.series.append({"iteration": it, **{k: metrics.get(k) for k in csv_columns(conf, parts)[1:]}})
             # --- log -----------------------------------------------------------------------------
             info = progress_info(metrics, conf.dynamic_sampling)
             bar.update(task, completed=it, total=state.total_iters, info=info)
@@ -170,7 +179,7 @@ def run_grpo(cfg: Config, stage: str, verifier: Verifier | None = None) -> dict[
                 if is_main:
                     save_resume(run.paths.resume, it, key, state, sampler, optimizer, run.generator,
                                 conf.keep_last, rank_generators=gens)
-                    write_series_csv(run.paths.csv, state.series, csv_columns(conf))
+                    write_series_csv(run.paths.csv, state.series, csv_columns(conf, parts))
         summary = finish(run, state, tracker)
     dist_utils.barrier()
     return summary
@@ -188,12 +197,12 @@ def resume(run: GRPORun, key: str) -> TrainState | None:
     return state
 
 
-def grpo_iteration(run: GRPORun, state: TrainState, verifier: Verifier) -> tuple[dict[str, Any], list[dict]]:
+def grpo_iteration(run: GRPORun, state: TrainState) -> tuple[dict[str, Any], list[dict]]:
     """One iteration: sample groups -> score -> advantages -> old/ref log-probs -> update.
     Returns this iteration's metrics (averaged over ranks) and a few sample completions."""
     conf, ro_start = run.conf, _clock(run.policy)
     keep, chance, scaffold = run.prompts.draw(state)
-    groups = sample_groups(run.sampler(), run.train_rows, (state.prompt_epoch, state.prompt_pos), conf, verifier,
+    groups = sample_groups(run.sampler(), run.train_rows, (state.prompt_epoch, state.prompt_pos), conf, run.rewards,
                            run.generator, run.rank, run.world, keep, scaffold)
     state.prompt_epoch, state.prompt_pos = groups.cursor
     levels, ro = run.prompts.observe(state, groups, chance), groups.rollout
@@ -241,11 +250,13 @@ def _clock(policy: Policy) -> float:
 
 # --------------------------------------------------------------------------- set-up
 
-def setup(cfg: Config, stage: str) -> GRPORun:
-    """Inputs checked and read; policy, reference, optimizer and sampling generator at iteration 0
-    (benchmarks call this, then `grpo_iteration`, with no logging or saving)."""
+def setup(cfg: Config, stage: str, rewards: TaskRewards | None = None) -> GRPORun:
+    """Inputs checked and read; the task's rewards checked on its first row; policy, reference, optimizer
+    and sampling generator at iteration 0 (benchmarks call this, then `grpo_iteration`, with no logging
+    or saving)."""
     conf: GRPOConfig = getattr(cfg, stage)
-    paths = StagePaths.of(stage)
+    paths = StagePaths.of(stage, conf.task)
+    rewards = rewards or task_rewards(cfg, conf.task)  # a user function that does not import fails here
     rank, world = dist_utils.rank(), dist_utils.world_size()
     if conf.nproc > 1 and world == 1:
         raise InputError(f"{stage}.nproc = {conf.nproc} needs {conf.nproc} processes: run the stage through "
@@ -260,6 +271,9 @@ def setup(cfg: Config, stage: str) -> GRPORun:
         if not (p / "config.json").is_file():
             raise InputError(f"{p}: checkpoint not found (run the stage that writes it first)")
     train_rows, eval_rows = read_rows(paths.train), read_rows(paths.eval)[: conf.eval_samples]
+    if not train_rows:
+        raise InputError(f"{paths.train}: no training rows (re-run the 'prepare' stage)")
+    rewards.probe(train_rows[0])  # ... and one that raises or returns the wrong length, here
     torch.manual_seed(conf.seed)
     policy = load_policy(paths.init, run=cfg.model)  # the checkpoint's weights; this run's device, dtype, compile, ...
     check_architecture(cfg.model, policy.model_cfg, "the params", paths.init)
@@ -280,10 +294,11 @@ def setup(cfg: Config, stage: str) -> GRPORun:
     optimizer = build_optimizer(policy.module, conf.lr, conf.weight_decay)
     # sampling draws on the policy's device: a CUDA op cannot take a CPU generator
     generator = torch.Generator(device=policy.device).manual_seed(conf.seed * 1000 + rank)
-    scaffold = worked_examples(policy, paths.train, cfg.data, conf, stage) if conf.fewshot_examples else None
+    scaffold = (worked_examples(policy, paths.train, cfg.data, conf, stage, task_template(cfg, conf.task))
+                if conf.fewshot_examples else None)
     prompts = PromptSource(levels, scaffold, conf.level_floor if levels is not None else 0.0)
-    return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rank, world,
-                   prompts, sharded)
+    return GRPORun(cfg, stage, conf, paths, train_rows, eval_rows, policy, ref, optimizer, generator, rewards, rank,
+                   world, prompts, sharded)
 
 
 def check_reference(paths: StagePaths, policy: Policy, ref: Policy) -> None:
@@ -297,8 +312,9 @@ def check_reference(paths: StagePaths, policy: Policy, ref: Policy) -> None:
 
 def compatibility_key(run: GRPORun) -> str:
     """The resume key: a resume state from other params, weights or data is ignored."""
+    task = run.cfg.tasks.get(run.conf.task)
     params = {"stage": dataclasses.asdict(run.conf), "model": dataclasses.asdict(run.cfg.model),
-              "template": run.cfg.data.prompt_template}
+              "template": run.cfg.data.prompt_template, "task": dataclasses.asdict(task) if task else None}
     p = run.paths
     weights = sorted(p.init.glob("*.safetensors")) + sorted(p.reference.glob("*.safetensors"))
     return resume_key(params, [*weights, p.train, p.eval])
@@ -328,7 +344,7 @@ def finish(run: GRPORun, state: TrainState, tracker: Logger) -> dict[str, Any]:
     }
     sampler = run.sampler()
     if run.rank == 0:
-        write_series_csv(run.paths.csv, series, csv_columns(run.conf))
+        write_series_csv(run.paths.csv, series, csv_columns(run.conf, run.rewards.names))
         save_policy(run.paths.out, sampler, extra_state={"stage": run.stage, "summary": summary})
         tracker.log_artifact(run.paths.csv)
         shutil.rmtree(run.paths.resume, ignore_errors=True)

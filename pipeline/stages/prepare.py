@@ -4,6 +4,8 @@ Writes `data/` as one unit (built beside it, then swapped in: a killed run leave
 whole, never new splits beside an old stats.json; same inputs and seed -> byte-identical files):
   gsm8k_train.jsonl  gsm8k_val.jsonl  gsm8k_test.jsonl  arith_train.jsonl  arith_eval.jsonl
   tokenizer.json     stats.json
+  tasks/index.json   tasks/<task>_{train,val,test}.jsonl   (countdown where a stage uses it, and each task of
+                     `tasks`: pipeline/data/tasks.py)
 Rows follow the schema of docs/architecture.md. `val_size` GSM8K train rows are held out (seeded)
 for validation; the test split is only read by the final evaluation. The tokenizer is trained on the
 prompts and SFT responses of the training rows only (GSM8K train after the hold-out, arithmetic stream).
@@ -24,6 +26,7 @@ from pipeline.core.files import replaced_dir, write_bytes_atomic, write_json_ato
 from pipeline.data.arithmetic import generate_curriculum
 from pipeline.data.gsm8k import BadRow, load_raw, validate_split
 from pipeline.data.prompts import response_text
+from pipeline.data.tasks import TASK_DIR, extra_tasks, task_files, used_tasks
 from pipeline.data.tokenizer import TOKENIZER_FILE, train_tokenizer
 from pipeline.tracking import stage_logger
 
@@ -120,6 +123,10 @@ def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
                                                   d.seed, d.prompt_template, d.arith_solution)
     splits = {"gsm8k_train": gsm_train, "gsm8k_val": gsm_val, "gsm8k_test": gsm_test,
               "arith_train": arith_train, "arith_eval": arith_eval}
+    for task, parts in extra_tasks(cfg).items():  # countdown where a stage uses it, and the tasks of `tasks`
+        check_disjoint(parts["train"] + parts["val"], parts["test"], f"tasks.{task}.source")
+        files = task_files(task)
+        splits.update({files.train[:-6]: parts["train"], files.val[:-6]: parts["val"], files.test[:-6]: parts["test"]})
 
     tok = _tokenizer(cfg, gsm_train + arith_train)
     if d.chat_template:  # every task's prompt, evaluation's included: the same template
@@ -127,6 +134,8 @@ def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
 
     stats = _stats(d, raw, splits, bad_train, bad_test, tok)
     with replaced_dir(out) as tmp:  # all of data/ appears at once, or the old one stays
+        (tmp / TASK_DIR).mkdir()
+        write_json_atomic(tmp / TASK_DIR / "index.json", {t: vars(task_files(t)) for t in used_tasks(cfg)})
         for name, rows in splits.items():
             write_jsonl(tmp / f"{name}.jsonl", rows)
         if cfg.model.backend == "gpt":
@@ -134,7 +143,7 @@ def _prepare(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         else:
             _save_hf_tokenizer_json(tok, tmp)
         write_json_atomic(tmp / "stats.json", stats)
-    paths = {name: str(out / f"{name}.jsonl") for name in splits}
+    paths = {name.replace("/", "_"): str(out / f"{name}.jsonl") for name in splits}
     paths["tokenizer"], paths["stats"] = str(out / TOKENIZER_FILE), str(out / "stats.json")
     return {"outputs": paths, "counts": stats["counts"], "rejected": len(bad)}, stats
 
@@ -145,14 +154,14 @@ def _stats(d, raw, splits, bad_train: list[BadRow], bad_test: list[BadRow], tok)
     arith_train = splits["arith_train"]
     return {
         "source": d.gsm8k_source,
-        "counts": {name: len(rows) for name, rows in splits.items()},
+        "counts": {name.replace("/", "_"): len(rows) for name, rows in splits.items()},
         "gsm8k_rows_read": {"train": len(raw["train"]), "test": len(raw["test"])},
         "rejected": {"train": len(bad_train), "test": len(bad_test),
                      "rows": [vars(b) for b in bad[:MAX_LISTED_BAD]]},
         "arith_levels": {str(lv): sum(r["level"] == lv for r in arith_train)
                          for lv in range(1, d.arith_max_level + 1)},
         "vocab_size": tok.vocab_size,
-        "token_lengths": {name: token_stats(tok, rows) for name, rows in splits.items()},
+        "token_lengths": {name.replace("/", "_"): token_stats(tok, rows) for name, rows in splits.items()},
     }
 
 
