@@ -162,12 +162,13 @@ def greedy_predictions(folder: Path, overrides: list[str]) -> dict[str, list[dic
     import torch
 
     from pipeline.core.config_loading import load_config
-    from pipeline.stages.evaluate import TASK_FILES, evaluate_task, load_rows
+    from pipeline.data.tasks import task_files
+    from pipeline.stages.evaluate import evaluate_task, load_rows
     from pipeline.train.checkpoint import load_policy
 
     cfg = load_config(folder / "params.yaml", overrides)
     torch.set_num_threads(1)
-    rows = load_rows(folder / "data" / TASK_FILES["arith"], cfg.evaluate.arith_limit)
+    rows = load_rows(folder / "data" / task_files("arith").test, cfg.evaluate.arith_limit)
     out = {}
     for stage in STAGES:
         policy = load_policy(folder / "checkpoints" / stage, device="cpu")
@@ -254,9 +255,9 @@ def held_out_levels(data: Path) -> list[int] | None:
     """The curriculum level of each held-out problem (the evaluate stage's arithmetic file under the
     prepared `data`, read as it reads it), in file order; None where the file is missing."""
     from pipeline.data.schema import read_rows
-    from pipeline.stages.evaluate import TASK_FILES
+    from pipeline.data.tasks import task_files
 
-    path = data / TASK_FILES["arith"]
+    path = data / task_files("arith").test
     return [int(row["level"]) for row in read_rows(path)] if path.is_file() else None
 
 
@@ -451,9 +452,9 @@ def main() -> None:
     if args.against is not None:
         import numpy as np
 
-        from pipeline.stages.evaluate import TASK_FILES
+        from pipeline.data.tasks import task_files
 
-        held_out = [w / "prepared" / "data" / TASK_FILES["arith"] for w in (args.work, args.against)]
+        held_out = [w / "prepared" / "data" / task_files("arith").test for w in (args.work, args.against)]
         if len({p.read_bytes() if p.is_file() else None for p in held_out}) != 1:
             raise SystemExit(f"--against: {held_out[0]} and {held_out[1]} differ (or one is missing): pair only "
                              "runs of the same prepared data")

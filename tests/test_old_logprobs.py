@@ -104,7 +104,8 @@ def test_an_iteration_moves_the_weights_as_with_a_recomputed_pass(grpo_workdir, 
     # AdamW divides by the root of the squared-gradient average, so an element whose gradient is
     # near 0 moves by about the learning rate whatever its gradient's size, and the fp32 rounding of
     # that small gradient becomes a relative error of its move: up to 4e-4 on one Intel AVX512 CPU
-    # (1.1e-5 on a move of 0.029). Each move agrees to 0.1% of itself (or 1e-5); an old tensor shifted
-    # by one token, or 1% off, misses that on thousands of elements, by 4e-2 to 8e-2.
+    # (1.1e-5 on a move of 0.029), and on the arithmetic prompts of the current template 2.2e-5 on 2
+    # of 12,800 elements on an AMD AVX2 CPU. Each move agrees to 0.1% of itself (or 5e-5); an old tensor
+    # shifted by one token, or 1% off, misses that on thousands of elements, by 4e-2 to 8e-2.
     for k in moved[0]:
-        torch.testing.assert_close(moved[0][k], moved[1][k], atol=1e-5, rtol=1e-3)
+        torch.testing.assert_close(moved[0][k], moved[1][k], atol=5e-5, rtol=1e-3)
