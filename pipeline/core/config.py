@@ -32,7 +32,6 @@ DEFAULT_TEMPLATE = (
     "Question: {question}\nAnswer:"
 )
 BUILTIN_TASKS = ("gsm8k", "arith", "countdown")  # tasks the prepare stage makes itself (pipeline/data/tasks.py)
-BUILTIN_REWARDS = ("correct", "format", "length")  # pipeline/rewards/task_rewards.py
 
 def _yaml_float(value: Any) -> Any:
     """YAML 1.1 reads ``1e-3`` as a string; a float key takes it as the number it means."""
